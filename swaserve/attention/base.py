@@ -1,0 +1,58 @@
+"""Attention backend interface: builds per-step index metadata and computes attention per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from swaserve.memory.req_to_token import ReqToTokenPool
+    from swaserve.memory.swa import SWAKVPool
+    from swaserve.runner.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention layer, as the backend needs it."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # q/k head dim
+    v_head_dim: int
+    scaling: float
+    sliding_window: int | None = None  # W keys including the current one; None = full attention
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+
+
+class AttentionBackend(ABC):
+    """Owns how attention reads the KV pools.
+
+    Contract (DESIGN.md §5): K/V of new tokens are written at `batch.out_cache_loc` for full-pool
+    layers and at the translated SWA slots for layers stored in the SWA pool; every index list
+    handed to an SWA-pool layer is in SWA space. The window: a query at p sees keys p-W+1 .. p.
+    """
+
+    def __init__(self, kv: SWAKVPool, req_to_token: ReqToTokenPool, full_to_swa: torch.Tensor | None):
+        self.kv = kv
+        self.req_to_token = req_to_token
+        self.full_to_swa = full_to_swa  # [full_size+2] int32, device; None without an SWA pool
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Build index lists for both index spaces and store them in `batch.attn_metadata`."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, v_head_dim]
+        spec: AttentionSpec,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,  # [num_heads] float: per-head sink logits (GPT-OSS)
+    ) -> torch.Tensor:
+        """Store k/v into the layer's pool, then attend; returns `[num_tokens, num_heads, v_head_dim]`."""

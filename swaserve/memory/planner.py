@@ -1,0 +1,94 @@
+"""Pool sizing: split a KV byte budget between the full pool and the SWA pool.
+
+A request at context L holds L full-pool slots and at most min(L, S) SWA-pool slots, where
+S = W + margin + evict_chunk is the eviction bound of `memory.window`. Sizing both pools in the
+ratio S : L (plus one prefill chunk of SWA headroom) makes a workload of max-context requests fill
+both pools at about the same time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swaserve.config import KVGroup
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Pool sizes derived at run time; `swa_tokens == 0` means no SWA pool (non-hybrid)."""
+
+    full_tokens: int
+    swa_tokens: int
+    full_bytes_per_token: int  # every layer cached in the full pool, summed
+    swa_bytes_per_token: int
+    swa_tokens_per_request: int  # at max context: the eviction bound, capped by the context
+    max_context: int
+    hybrid: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return self.full_tokens * self.full_bytes_per_token + self.swa_tokens * self.swa_bytes_per_token
+
+    def max_concurrent_requests(self, context: int) -> int:
+        """How many requests of `context` tokens (prompt + output) fit at once."""
+        if context <= 0:
+            raise ValueError("context must be positive")
+        n = self.full_tokens // context
+        if self.hybrid:
+            n = min(n, self.swa_tokens // min(context, self.swa_tokens_per_request))
+        return n
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        kind = "hybrid" if self.hybrid else "single pool"
+        s = f"{kind}: full pool {self.full_tokens} tokens ({self.full_bytes_per_token} B/token)"
+        if self.hybrid:
+            s += f", SWA pool {self.swa_tokens} tokens ({self.swa_bytes_per_token} B/token)"
+        return s + f", {self.total_bytes / mib:.1f} MiB"
+
+
+def plan_memory(
+    budget_bytes: int,
+    full_group: KVGroup,
+    swa_group: KVGroup,
+    dtype: torch.dtype,
+    max_context: int,
+    window: int | None,
+    *,
+    hybrid: bool = True,
+    swa_full_tokens_ratio: float | None = None,
+    evict_margin: int = 1,
+    evict_chunk: int = 64,
+    prefill_chunk: int = 0,
+) -> MemoryPlan:
+    """Size the pools for `budget_bytes` of K/V.
+
+    With `hybrid=False` (or a model with no SWA layers) every layer is cached in the full pool.
+    `swa_full_tokens_ratio` overrides the SWA:full token ratio the planner would pick.
+    """
+    if budget_bytes <= 0:
+        raise ValueError("KV budget must be positive")
+    full_b = full_group.bytes_per_token(dtype)
+    swa_b = swa_group.bytes_per_token(dtype)
+    hybrid = hybrid and swa_group.num_layers > 0
+    if not hybrid:
+        per_token = full_b + swa_b
+        tokens = budget_bytes // per_token
+        if tokens < 1:
+            raise ValueError(f"KV budget {budget_bytes} B holds no token ({per_token} B/token)")
+        return MemoryPlan(int(tokens), 0, per_token, 0, 0, max_context, hybrid=False)
+    assert window is not None
+    swa_per_req = min(max_context, window + evict_margin + evict_chunk)
+    ratio = swa_full_tokens_ratio if swa_full_tokens_ratio is not None else swa_per_req / max_context
+    if ratio <= 0:
+        raise ValueError("swa_full_tokens_ratio must be positive")
+    # Headroom for one prefill chunk in the SWA pool: a chunk holds its new tokens before eviction.
+    headroom = prefill_chunk if swa_full_tokens_ratio is None else 0
+    full_tokens = (budget_bytes - headroom * swa_b) / (full_b + ratio * swa_b)
+    if full_tokens < 1:
+        raise ValueError(f"KV budget {budget_bytes} B is too small for one token in both pools")
+    full_tokens = int(full_tokens)
+    swa_tokens = int(full_tokens * ratio) + headroom
+    return MemoryPlan(full_tokens, swa_tokens, full_b, swa_b, swa_per_req, max_context, hybrid=True)

@@ -1,0 +1,160 @@
+"""Hybrid KV memory: a full pool and a small SWA pool, one allocator over both, and the
+`full_to_swa` translation table.
+
+Index spaces (see docs/memory.md)::
+
+    req_to_token[row, pos] ──► full slot f ──► full pool rows  (full-attention layers)
+                                   │
+                                   └─ full_to_swa[f] ──► SWA slot s ──► SWA pool rows  (sliding layers)
+
+The scheduler, the request table and `out_cache_loc` only speak full-pool slots. SWA slots exist
+only below this interface and in attention metadata. Reserved zeros: slot 0 of both pools is never
+handed out, and `full_to_swa[0] == 0` forever, so padded rows and unwritten table entries touch
+only the dummy slots. The table has one trailing entry holding -1, so translating -1 gives -1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swaserve.memory.allocator import TokenToKVPoolAllocator
+from swaserve.memory.kv_pool import KVPool
+
+
+class SWAKVPool:
+    """Routes a global layer id to (pool, local layer): full layers to `full`, SWA layers to `swa`.
+
+    With `swa=None` (hybrid memory disabled) every layer, sliding or not, lives in `full` and
+    is read with full-pool indices; attention still applies the window.
+    """
+
+    def __init__(self, full: KVPool, swa: KVPool | None, full_layer_ids: tuple[int, ...], swa_layer_ids: tuple[int, ...]):
+        self.full = full
+        self.swa = swa
+        self._map: dict[int, tuple[KVPool, int, bool]] = {}
+        if swa is None:
+            for local, lid in enumerate(sorted(full_layer_ids + swa_layer_ids)):
+                self._map[lid] = (full, local, False)
+        else:
+            for local, lid in enumerate(full_layer_ids):
+                self._map[lid] = (full, local, False)
+            for local, lid in enumerate(swa_layer_ids):
+                self._map[lid] = (swa, local, True)
+        assert full.num_layers == sum(1 for p, _, _ in self._map.values() if p is full), "full pool layer count"
+        if swa is not None:
+            assert swa.num_layers == len(swa_layer_ids), "SWA pool layer count"
+
+    def uses_swa_space(self, layer_id: int) -> bool:
+        """True if this layer's K/V are indexed by SWA-pool slots (so its indices must be translated)."""
+        return self._map[layer_id][2]
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor:
+        pool, local, _ = self._map[layer_id]
+        return pool.k_buffer(local)
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor:
+        pool, local, _ = self._map[layer_id]
+        return pool.v_buffer(local)
+
+    def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`locs` must already be in the layer's own space (SWA slots for SWA layers)."""
+        pool, local, _ = self._map[layer_id]
+        pool.set_kv(local, locs, k, v)
+
+    def total_bytes(self) -> int:
+        return self.full.total_bytes() + (self.swa.total_bytes() if self.swa is not None else 0)
+
+
+class SWATokenToKVPoolAllocator:
+    """One allocation = one full slot + one SWA slot, paired through `full_to_swa`.
+
+    Invariants (checked by `check_integrity`): allocation is atomic across both pools; a full slot
+    maps to at most one SWA slot and an SWA slot is mapped from exactly one full slot; a full slot
+    that is free or whose SWA slot was freed maps to 0; `full_to_swa[0] == 0`, the trailing entry
+    is -1. The CPU table is authoritative; `full_to_swa_device` mirrors it for kernels.
+    """
+
+    def __init__(self, full_size: int, swa_size: int, device: torch.device | str = "cpu"):
+        self.full = TokenToKVPoolAllocator(full_size)
+        self.swa = TokenToKVPoolAllocator(swa_size)
+        self.device = torch.device(device)
+        self.full_to_swa = torch.zeros(full_size + 2, dtype=torch.int64)  # [full_size+2] int64, cpu
+        self.full_to_swa[-1] = -1
+        self.full_to_swa_device = (
+            self.full_to_swa.to(torch.int32)
+            if self.device.type == "cpu"
+            else self.full_to_swa.to(device=self.device, dtype=torch.int32)
+        )  # [full_size+2] int32, device
+
+    @property
+    def size(self) -> int:
+        return min(self.full.size, self.swa.size)
+
+    def available(self) -> int:
+        return min(self.full.available(), self.swa.available())
+
+    def clear(self) -> None:
+        self.full.clear()
+        self.swa.clear()
+        self.full_to_swa[:-1] = 0
+        self.full_to_swa_device[:-1] = 0
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take n full slots (int64, cpu), each paired with a fresh SWA slot; all or none."""
+        if n > self.available():
+            return None
+        full = self.full.alloc(n)
+        swa = self.swa.alloc(n)
+        assert full is not None and swa is not None
+        self._set_mapping(full, swa)
+        return full
+
+    def translate_full_to_swa(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """SWA slots paired with `full_slots` (int32, on the input's device); unmapped -> 0, -1 -> -1."""
+        table = self.full_to_swa_device if full_slots.device == self.device else self.full_to_swa
+        return table[full_slots.long()].to(torch.int32)
+
+    def free(self, full_slots: torch.Tensor) -> None:
+        self.free_swa(full_slots)
+        self.full.free(full_slots)
+
+    def free_swa(self, full_slots: torch.Tensor) -> None:
+        """Release the SWA side of `full_slots` (those still mapped) and reset their mapping to 0."""
+        full_slots = full_slots.reshape(-1).to(device="cpu", dtype=torch.int64)
+        if not full_slots.numel():
+            return
+        if bool((full_slots <= 0).any()):
+            raise ValueError("free_swa got slot 0 or a negative slot")
+        swa = self.full_to_swa[full_slots]
+        self.swa.free(swa[swa > 0])
+        self._set_mapping(full_slots, torch.zeros_like(full_slots))
+
+    def _set_mapping(self, full: torch.Tensor, swa: torch.Tensor) -> None:
+        self.full_to_swa[full] = swa
+        if self.full_to_swa_device.data_ptr() != self.full_to_swa.data_ptr():
+            self.full_to_swa_device[full.to(self.device, non_blocking=True)] = swa.to(self.device, torch.int32, non_blocking=True)
+
+    def swa_used(self) -> int:
+        return self.swa.used()
+
+    def check_integrity(self, owned_full: torch.Tensor | None = None) -> None:
+        """Check both allocators and the table; with `owned_full` (all full slots callers hold),
+        check the full pool's partition exactly."""
+        table = self.full_to_swa
+        assert int(table[0]) == 0, "full_to_swa[0] must stay 0"
+        assert int(table[-1]) == -1, "full_to_swa's trailing sentinel must stay -1"
+        body = table[1:-1]
+        assert int(body.min()) >= 0 if body.numel() else True, "negative SWA slot in the mapping"
+        mapped = body[body > 0]
+        assert torch.unique(mapped).numel() == mapped.numel(), "an SWA slot is mapped from two full slots"
+        assert mapped.numel() == self.swa.used(), (
+            f"{mapped.numel()} mapped full slots but {self.swa.used()} SWA slots in use (leak or stale mapping)"
+        )
+        free_full = self.full._free
+        assert not table[free_full].any(), "a free full slot still maps to an SWA slot"
+        free_swa = set(self.swa._free.tolist())
+        assert not free_swa.intersection(mapped.tolist()), "a free SWA slot is still mapped (stale mapping)"
+        self.full.check_integrity(owned_full)
+        self.swa.check_integrity(mapped if mapped.numel() == self.swa.used() else None)
+        if self.full_to_swa_device.data_ptr() != table.data_ptr():
+            assert torch.equal(self.full_to_swa_device.cpu().long(), table), "device mapping differs from host table"

@@ -1,0 +1,60 @@
+"""Out-of-window freeing: release the SWA slots of positions no present or future query can see.
+
+The window, defined once (HF convention): a query at position p attends keys p-W+1 .. p, i.e. W
+keys including itself. If every query at positions < `next_query_pos` has run, the earliest key any
+remaining query can read is `next_query_pos - W + 1`; everything before it, less `margin` positions
+kept for steps in flight, is dead in the SWA pool. Full-pool slots are untouched.
+
+Bound: slots are freed in chunks of `chunk`, so a request whose queries up to `next_query_pos` have
+run holds at most `(W - 1) + margin + chunk + (seq_len - next_query_pos)` SWA slots — in steady
+decode (one new token per step) that is W + margin + chunk.
+"""
+
+from __future__ import annotations
+
+from swaserve.memory.req_to_token import ReqToTokenPool
+from swaserve.memory.swa import SWATokenToKVPoolAllocator
+
+
+class SWAEvictor:
+    """Frees out-of-window SWA slots of one request at a time; stateless apart from its settings."""
+
+    def __init__(
+        self,
+        allocator: SWATokenToKVPoolAllocator,
+        req_to_token: ReqToTokenPool,
+        window: int,
+        margin: int = 1,
+        chunk: int = 1,
+    ):
+        if window < 1 or margin < 0 or chunk < 1:
+            raise ValueError(f"bad eviction settings: window={window} margin={margin} chunk={chunk}")
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.window = window
+        self.margin = margin
+        self.chunk = chunk
+
+    def frontier(self, next_query_pos: int) -> int:
+        """First position that a query at >= next_query_pos may still read (less the margin)."""
+        return max(0, next_query_pos - self.window + 1 - self.margin)
+
+    def evict(self, row: int, next_query_pos: int, evicted: int) -> int:
+        """Free SWA slots of positions [evicted, frontier) once at least `chunk` are dead.
+
+        Args:
+            row: the request's row in the request table.
+            next_query_pos: every query at a position below this has run (= KV-committed length).
+            evicted: positions below this were already freed in the SWA pool.
+        Returns:
+            the new `evicted`.
+        """
+        frontier = self.frontier(next_query_pos)
+        if frontier - evicted < self.chunk:
+            return evicted
+        self.allocator.free_swa(self.req_to_token.slots(row, evicted, frontier))
+        return frontier
+
+    def max_held(self, new_tokens_per_step: int = 1) -> int:
+        """Upper bound on SWA slots one request holds (see the module docstring)."""
+        return self.window - 1 + self.margin + self.chunk + new_tokens_per_step

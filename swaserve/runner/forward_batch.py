@@ -1,0 +1,90 @@
+"""ForwardBatch: the device-side description of one model step, handed down to attention."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from swaserve.attention.base import AttentionBackend
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: new tokens on top of an optional cached prefix, per request
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """One step's inputs. New tokens of request i are laid out contiguously, request after request.
+
+    Positions of request i's new tokens are prefix_len_i .. seq_len_i - 1; their K/V go to the
+    full-pool slots `out_cache_loc` (the attention backend translates them for SWA layers).
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64, device
+    positions: torch.Tensor  # [num_tokens] int64, device
+    req_pool_indices: torch.Tensor  # [bs] int64, device: rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int32, device: tokens with K/V after this step (prefix + new)
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, device: full-pool slots of the new tokens
+    seq_lens_cpu: list[int]  # [bs] host copy of seq_lens
+    extend_prefix_lens_cpu: list[int] | None = None  # [bs] extend only: cached tokens before the new ones
+    extend_seq_lens_cpu: list[int] | None = None  # [bs] extend only: new tokens per request
+    attn_backend: AttentionBackend | None = None
+    attn_metadata: Any = field(default=None, repr=False)  # built by attn_backend.init_forward_metadata
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index into the token dimension of each request's last new token: `[bs]` int64, device."""
+        if self.is_decode:
+            return torch.arange(self.batch_size, device=self.input_ids.device)
+        assert self.extend_seq_lens_cpu is not None
+        ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device, non_blocking=True)
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int],
+        positions: list[int],
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        device: torch.device | str,
+        extend_prefix_lens: list[int] | None = None,
+        extend_seq_lens: list[int] | None = None,
+    ) -> ForwardBatch:
+        """Assemble from host lists (the scheduler's view); one host-to-device copy per field."""
+        dev = torch.device(device)
+
+        def put(xs: list[int], dtype: torch.dtype) -> torch.Tensor:
+            t = torch.tensor(xs, dtype=dtype)
+            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+        return cls(
+            mode=mode,
+            input_ids=put(input_ids, torch.int64),
+            positions=put(positions, torch.int64),
+            req_pool_indices=put(req_pool_indices, torch.int64),
+            seq_lens=put(seq_lens, torch.int32),
+            out_cache_loc=out_cache_loc.to(dev, dtype=torch.int64, non_blocking=True),
+            seq_lens_cpu=list(seq_lens),
+            extend_prefix_lens_cpu=extend_prefix_lens,
+            extend_seq_lens_cpu=extend_seq_lens,
+        )
