@@ -57,6 +57,18 @@ class ReqToTokenPool:
         if self._host is not self.req_to_token:
             self.req_to_token[row, start:end].copy_(host, non_blocking=True)
 
+    def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """Record one slot per (row, position) pair in one copy: the decode step's table update."""
+        r = torch.tensor(rows, dtype=torch.int64)
+        p = torch.tensor(positions, dtype=torch.int64)
+        if len(positions) and max(positions) >= self.max_context:
+            raise ValueError(f"position {max(positions)} is beyond the table's max_context {self.max_context}")
+        host = slots.to(device="cpu", dtype=torch.int32)
+        self._host[r, p] = host
+        if self._host is not self.req_to_token:
+            dev = self.req_to_token.device
+            self.req_to_token[r.to(dev, non_blocking=True), p.to(dev, non_blocking=True)] = host.to(dev, non_blocking=True)
+
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Full-pool slots of positions start .. end-1 (int64, cpu), read from the host mirror."""
         return self._host[row, start:end].to(torch.int64)

@@ -1,0 +1,54 @@
+"""ScheduleBatch: the scheduler's host-side view of one step, turned into a device ForwardBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+from swaserve.scheduler.req import Req
+
+
+@dataclass
+class ScheduleBatch:
+    """Requests of one step with the new tokens each computes.
+
+    `extend_lens[i]` new tokens of `reqs[i]` start at position `prefix_lens[i]` (its kv_len before
+    the step); their full-pool slots are `out_cache_loc` in request order. `sample[i]` says whether
+    request i's last new token is its last pending one, i.e. whether its logits give a new token.
+    """
+
+    mode: ForwardMode
+    reqs: list[Req]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, cpu: full-pool slots
+    sample: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def sample_indices(self) -> list[int]:
+        return [i for i, s in enumerate(self.sample) if s]
+
+    def to_forward_batch(self, device: torch.device | str) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            input_ids.extend(r.ids[p : p + n])
+            positions.extend(range(p, p + n))
+        seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        is_extend = self.mode is ForwardMode.EXTEND
+        return ForwardBatch.build(
+            self.mode,
+            input_ids,
+            positions,
+            [r.row for r in self.reqs],  # type: ignore[misc]
+            seq_lens,
+            self.out_cache_loc,
+            device,
+            extend_prefix_lens=list(self.prefix_lens) if is_extend else None,
+            extend_seq_lens=list(self.extend_lens) if is_extend else None,
+        )

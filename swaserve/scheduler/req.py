@@ -1,0 +1,86 @@
+"""Per-sequence scheduler state: tokens, where its K/V live, and how it finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swaserve.request import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued; may hold a partial prefill (the chunked request)
+    RUNNING = "running"  # prefilled; decodes one token a step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One sequence (a request with n > 1 becomes n of these).
+
+    Invariants: positions [0, kv_len) have K/V in the pools through row `row`; positions
+    [0, swa_evicted) have had their SWA slots freed; an unfinished request always has at least one
+    token without K/V (`kv_len < len(ids)`): the next query.
+    """
+
+    rid: str
+    group_id: str  # the user's request id
+    index: int  # which of the n sequences
+    prompt_len: int
+    ids: list[int]  # prompt + output token ids
+    params: SamplingParams
+    arrival: int  # monotonically increasing admission order
+    eos_ids: frozenset[int]
+    detok: Any = None  # IncrementalDetokenizer; None in scheduler-only tests
+    seed: int | None = None
+    status: ReqStatus = ReqStatus.WAITING
+    row: int | None = None
+    kv_len: int = 0
+    swa_evicted: int = 0
+    finish_reason: str | None = None
+    output_logprobs: list[dict[int, float]] | None = None
+    num_retractions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # timing for metrics
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens still without K/V; > 1 means prefill work is left."""
+        return len(self.ids) - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def max_len(self, max_context: int) -> int:
+        """Most tokens this sequence can ever have (bounded by max_tokens and the context)."""
+        return min(self.prompt_len + self.params.max_tokens, max_context)
+
+    def append_token(self, token: int, logprobs: dict[int, float] | None, max_context: int) -> None:
+        """Record a sampled token and decide whether the sequence is done."""
+        self.ids.append(token)
+        if logprobs is not None:
+            if self.output_logprobs is None:
+                self.output_logprobs = []
+            self.output_logprobs.append(logprobs)
+        p = self.params
+        if self.detok is not None:
+            self.detok.step([token])
+            if getattr(self.detok, "stopped", False):
+                self.finish_reason = "stop"
+                return
+        if not p.ignore_eos and token in self.eos_ids:
+            self.finish_reason = "stop"
+        elif p.stop_token_ids and token in p.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_output >= p.max_tokens or len(self.ids) >= max_context:
+            self.finish_reason = "length"

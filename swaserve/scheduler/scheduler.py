@@ -1,0 +1,217 @@
+"""Scheduler: waiting/running queues, chunked prefill under a token budget, decode batches, SWA
+freeing every step, and retraction when memory runs out."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import torch
+
+from swaserve.config import SchedulerConfig
+from swaserve.memory.req_to_token import ReqToTokenPool
+from swaserve.memory.window import SWAEvictor
+from swaserve.runner.forward_batch import ForwardMode
+from swaserve.scheduler.batch import ScheduleBatch
+from swaserve.scheduler.req import Req, ReqStatus
+
+
+class SlotAllocator(Protocol):
+    size: int
+
+    def alloc(self, n: int) -> torch.Tensor | None: ...
+    def free(self, slots: torch.Tensor) -> None: ...
+    def available(self) -> int: ...
+    def check_integrity(self, owned_full: torch.Tensor | None = None) -> None: ...
+
+
+class Scheduler:
+    """Decides what each step computes and owns every request's memory.
+
+    Policy: prefill first (FIFO, at most `max_prefill_tokens` new tokens a step; a prompt that does
+    not fit is chunked across steps, and at most one request is mid-prefill: it stays at the head
+    of `waiting`); otherwise one decode step for every running request. When a decode step cannot
+    get a slot per request, the most recently admitted requests are retracted (memory freed,
+    re-queued at the front, recomputed later with their output so far), so no request starves and
+    a lone request always fits (admission checks it against the whole pool).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        max_context: int,
+        req_to_token: ReqToTokenPool,
+        allocator: SlotAllocator,
+        evictor: SWAEvictor | None,
+    ):
+        self.config = config
+        self.max_context = max_context
+        self.table = req_to_token
+        self.allocator = allocator
+        self.evictor = evictor
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.retractions_total = 0
+        self._arrivals = 0
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ValueError for a request that could never run, instead of letting it wait forever."""
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty")
+        if prompt_len + max_tokens > self.max_context:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+                f"exceeds the maximum context of {self.max_context} tokens"
+            )
+        full_size = getattr(self.allocator, "full", self.allocator).size
+        if prompt_len + max_tokens > full_size:
+            raise ValueError(
+                f"prompt + max_tokens = {prompt_len + max_tokens} tokens exceeds the KV pool of {full_size} tokens"
+            )
+
+    def add(self, req: Req) -> None:
+        self.check_fits(req.prompt_len, req.params.max_tokens)
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        self.waiting.append(req)
+
+    def abort(self, group_id: str) -> list[Req]:
+        """Finish every sequence of `group_id` at whatever stage it is, freeing its memory."""
+        hit = [r for r in (*self.waiting, *self.running) if r.group_id == group_id]
+        for r in hit:
+            if r.status is ReqStatus.WAITING:
+                self.waiting.remove(r)
+            r.finish_reason = "abort"
+            self._finish(r)
+        return hit
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling --------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleBatch | None:
+        return self._schedule_extend() or self._schedule_decode()
+
+    def _schedule_extend(self) -> ScheduleBatch | None:
+        budget = self.config.max_prefill_tokens
+        reqs: list[Req] = []
+        prefix: list[int] = []
+        ext: list[int] = []
+        locs: list[torch.Tensor] = []
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if req.row is None and (
+                len(self.running) + len(reqs) >= self.config.max_running_requests or not self.table.available()
+            ):
+                break
+            # A new admission leaves room for every running request's next decode token.
+            reserve = len(self.running) if req.kv_len == 0 else 0
+            n = min(req.pending, budget, self.allocator.available() - reserve)
+            if n <= 0:
+                break
+            slots = self.allocator.alloc(n)
+            assert slots is not None
+            if req.row is None:
+                req.row = self.table.alloc()
+                assert req.row is not None
+            self.table.write(req.row, req.kv_len, slots)
+            reqs.append(req)
+            prefix.append(req.kv_len)
+            ext.append(n)
+            locs.append(slots)
+            budget -= n
+            if n < req.pending:
+                break  # the chunked request stays at the head; nobody overtakes it
+            self.waiting.popleft()
+        if not reqs:
+            return None
+        sample = [p + n == len(r.ids) for r, p, n in zip(reqs, prefix, ext)]
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, torch.cat(locs), sample)
+
+    def _schedule_decode(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        while self.allocator.available() < len(self.running):
+            if len(self.running) > 1:
+                self._retract(self.running.pop())
+            else:  # a lone running request fits alone (admission checked): take back the prefill's memory
+                head = self.waiting[0] if self.waiting else None
+                assert head is not None and head.kv_len > 0, "a lone request always fits (checked at admission)"
+                self._retract(self.waiting.popleft())
+        bs = len(self.running)
+        slots = self.allocator.alloc(bs)
+        assert slots is not None
+        reqs = list(self.running)
+        self.table.write_tokens([r.row for r in reqs], [r.kv_len for r in reqs], slots)  # type: ignore[misc]
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * bs, slots, [True] * bs)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def process_output(
+        self, batch: ScheduleBatch, tokens: list[int], logprobs: list[dict[int, float] | None] | None = None
+    ) -> list[Req]:
+        """Commit the step: advance kv_len, append sampled tokens (aligned with
+        `batch.sample_indices()`), finish what is done, free out-of-window SWA slots."""
+        for r, n in zip(batch.reqs, batch.extend_lens):
+            r.kv_len += n
+        progressed: list[Req] = []
+        for j, i in enumerate(batch.sample_indices()):
+            r = batch.reqs[i]
+            r.append_token(tokens[j], logprobs[j] if logprobs else None, self.max_context)
+            if r.status is ReqStatus.WAITING:
+                r.status = ReqStatus.RUNNING
+                self.running.append(r)
+            if r.finish_reason is not None:
+                self._finish(r)
+            progressed.append(r)
+        for r in batch.reqs:
+            if not r.finished:
+                self._evict_swa(r)
+        return progressed
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def _evict_swa(self, req: Req) -> None:
+        if self.evictor is not None and req.row is not None:
+            req.swa_evicted = self.evictor.evict(req.row, req.kv_len, req.swa_evicted)
+
+    def _release(self, req: Req) -> None:
+        if req.row is None:
+            return
+        self.allocator.free(self.table.slots(req.row, 0, req.kv_len))
+        self.table.free(req.row)
+        req.row = None
+        req.kv_len = 0
+        req.swa_evicted = 0
+
+    def _finish(self, req: Req) -> None:
+        self._release(req)
+        if req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+        req.status = ReqStatus.FINISHED
+
+    def _retract(self, req: Req) -> None:
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.retractions_total += 1
+        # Behind a mid-prefill head request, so that at most one request is ever mid-prefill.
+        head_busy = bool(self.waiting) and self.waiting[0].kv_len > 0 and self.waiting[0] is not req
+        self.waiting.insert(1 if head_busy else 0, req)
+
+    def owned_slots(self) -> torch.Tensor:
+        held = [self.table.slots(r.row, 0, r.kv_len) for r in (*self.waiting, *self.running) if r.row is not None]
+        return torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+
+    def check_integrity(self) -> None:
+        """Pools consistent with exactly the slots the live requests hold; queues consistent."""
+        self.allocator.check_integrity(self.owned_slots())
+        self.table.check_integrity()
+        rows = [r.row for r in (*self.waiting, *self.running) if r.row is not None]
+        assert sorted(rows) == self.table.live_rows(), "request table rows leaked or shared"
+        mid = [r for r in self.waiting if r.kv_len > 0]
+        assert len(mid) <= 1 and (not mid or mid[0] is self.waiting[0]), "more than one mid-prefill request"
+        assert all(r.status is ReqStatus.RUNNING and r.pending == 1 for r in self.running)
