@@ -128,3 +128,33 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 8 << 20
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    attention_backend: str | None = None  # None: triton on CUDA, torch_native elsewhere
+    disable_cuda_graph: bool = False
+    enable_cpu_graph: bool = False
+
+
+_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig)
+
+
+def split_engine_options(options: dict[str, Any]) -> tuple[CacheConfig, SchedulerConfig, RunnerConfig]:
+    """Distribute flat `LLM(**engine_options)` keywords over the config dataclasses by field name."""
+    from dataclasses import fields
+
+    owned = {cls: {f.name for f in fields(cls)} for cls in _OPTION_OWNERS}
+    valid = sorted(set().union(*owned.values()))
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; valid options: {', '.join(valid)}")
+    built = [cls(**{k: v for k, v in options.items() if k in owned[cls]}) for cls in _OPTION_OWNERS]
+    cache, sched, runner = built
+    if sched.max_running_requests < 1:
+        raise ValueError("max_running_requests must be >= 1")
+    if sched.max_prefill_tokens < 1:
+        raise ValueError("max_prefill_tokens must be >= 1")
+    if cache.swa_evict_chunk < 1 or cache.swa_evict_margin < 0:
+        raise ValueError("swa_evict_chunk must be >= 1 and swa_evict_margin >= 0")
+    return cache, sched, runner  # type: ignore[return-value]

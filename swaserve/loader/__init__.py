@@ -1,0 +1,52 @@
+"""Model loading: resolve what `model` names (embedded default, a GGUF file, an HF directory) and
+return the config, the weights-loaded module and the tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from swaserve.config import ModelConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from swaserve.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: nn.Module
+    tokenizer: Tokenizer
+    name: str  # served model name
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
+    from swaserve.loader.resolve import resolve_model
+    from swaserve.runner.model_runner import build_model
+    from swaserve.tokenizer import Tokenizer
+
+    resolved = resolve_model(model)
+    path = Path(resolved.path)
+    if resolved.kind == "gguf":
+        from swaserve.loader.gguf import iter_gguf_tensors, load_gguf_config
+
+        hf_config = load_gguf_config(path)
+        tokenizer = Tokenizer.from_gguf(path)
+        weights = iter_gguf_tensors(path)
+    else:
+        from swaserve.loader.hf_dir import load_hf_config
+        from swaserve.loader.safetensors import iter_safetensors
+
+        hf_config = load_hf_config(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        weights = iter_safetensors(path)
+    config = ModelConfig.from_hf(hf_config, max_context=max_context)
+    module = build_model(config, dtype, device)
+    module.load_weights(weights)
+    name = "gemma-3-270m" if model is None else (path.stem if resolved.kind == "gguf" else path.name)
+    return LoadedModel(config, module, tokenizer, name)

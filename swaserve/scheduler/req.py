@@ -73,14 +73,13 @@ class Req:
                 self.output_logprobs = []
             self.output_logprobs.append(logprobs)
         p = self.params
+        if (not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids):
+            self.finish_reason = "stop"  # the stop token stays in token_ids but adds no text
+            return
         if self.detok is not None:
             self.detok.step([token])
-            if getattr(self.detok, "stopped", False):
+            if self.detok.stopped:
                 self.finish_reason = "stop"
                 return
-        if not p.ignore_eos and token in self.eos_ids:
-            self.finish_reason = "stop"
-        elif p.stop_token_ids and token in p.stop_token_ids:
-            self.finish_reason = "stop"
-        elif self.num_output >= p.max_tokens or len(self.ids) >= max_context:
+        if self.num_output >= p.max_tokens or len(self.ids) >= max_context:
             self.finish_reason = "length"

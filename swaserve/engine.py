@@ -1,0 +1,263 @@
+"""Engine (add_request / step / abort over the scheduler, runner and sampler) and the offline `LLM` API."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swaserve.config import ModelConfig, split_engine_options
+from swaserve.detokenizer import IncrementalDetokenizer
+from swaserve.request import CompletionOutput, RequestOutput, SamplingParams
+from swaserve.runner.sampler import Sampler, SamplingBatch
+from swaserve.scheduler.req import Req, ReqStatus
+
+CPU_DEFAULT_MAX_CONTEXT = 4096  # keeps the CPU pools and request table small; override with max_context
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
+    if dtype is None or dtype == "auto":
+        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if isinstance(dtype, torch.dtype):
+        return dev, dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'")
+    return dev, _DTYPES[dtype]
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    retractions_total: int = 0
+
+
+@dataclass
+class _Group:
+    """One user request: its prompt and its n sequences."""
+
+    prompt: str | None
+    prompt_ids: list[int]
+    reqs: list[Req] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.reqs)
+
+
+class Engine:
+    """Continuous-batching engine over one model. Not thread-safe: one thread drives it.
+
+    `step()` runs one scheduler step (a chunked-prefill batch or a decode batch) and returns the
+    cumulative outputs of every request that got a new token.
+    """
+
+    def __init__(self, model: str | None = None, device: Any = None, dtype: Any = None, **engine_options: Any):
+        from swaserve.loader import load_model
+        from swaserve.runtime import build_runtime
+
+        cache_cfg, sched_cfg, runner_cfg = split_engine_options(engine_options)
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        loaded = load_model(model, self.device, self.dtype)
+        cap = sched_cfg.max_context or (CPU_DEFAULT_MAX_CONTEXT if self.device.type == "cpu" else None)
+        config = loaded.config
+        if cap is not None:
+            config = dataclasses.replace(config, max_context=min(cap, config.max_context))
+        self.model_config: ModelConfig = config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(config.eos_token_ids)
+        rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg)
+        self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._groups: dict[str, _Group] = {}
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        group = _Group(text, ids)
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
+            group.reqs.append(Req(f"{request_id}#{i}", request_id, i, len(ids), list(ids), params, 0, self.eos_ids, detok))
+        for r in group.reqs:
+            self.scheduler.add(r)
+        self._groups[request_id] = group
+        self.stats.prompt_tokens_total += len(ids)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            return None, list(prompt)
+        raise ValueError("a prompt must be a string or a list of token ids")
+
+    def abort(self, request_id: str) -> None:
+        if self._groups.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.forward(batch.to_forward_batch(self.device))  # [bs, vocab] float32
+        idx = batch.sample_indices()
+        tokens: list[int] = []
+        logprobs = None
+        if idx:
+            reqs = [batch.reqs[i] for i in idx]
+            rows = logits if len(idx) == len(batch.reqs) else logits[torch.tensor(idx, device=logits.device)]
+            sb = SamplingBatch.build(
+                [r.params for r in reqs],
+                [r.output_ids for r in reqs],
+                [r.ids[: r.prompt_len] for r in reqs],
+                rows.shape[-1],
+                self.device,
+                sample_indices=[r.index for r in reqs],
+            )
+            out = self.sampler(rows, sb)
+            tokens = out.next_token_ids.tolist()
+            asked = [r.params.logprobs for r in reqs]
+            if any(a is not None for a in asked):
+                logprobs = out.logprob_dicts(asked)
+        progressed = self.scheduler.process_output(batch, tokens, logprobs)
+        self.stats.generation_tokens_total += len(progressed)
+        self.stats.retractions_total = self.scheduler.retractions_total
+        for r in progressed:
+            if r.finish_reason is not None and not r.detok.stopped:
+                r.detok.flush()
+        return self._outputs({r.group_id for r in progressed})
+
+    def _outputs(self, group_ids: set[str]) -> list[RequestOutput]:
+        outs = []
+        for gid in sorted(group_ids):
+            group = self._groups.get(gid)
+            if group is None:
+                continue
+            outs.append(self._output(gid, group))
+            if group.finished:
+                del self._groups[gid]
+        return outs
+
+    @staticmethod
+    def _output(gid: str, group: _Group) -> RequestOutput:
+        comps = [
+            CompletionOutput(
+                index=r.index,
+                text=r.detok.text,
+                token_ids=list(r.output_ids),
+                logprobs=list(r.output_logprobs) if r.output_logprobs is not None else None,
+                finish_reason=r.finish_reason,  # type: ignore[arg-type]
+            )
+            for r in group.reqs
+        ]
+        return RequestOutput(gid, group.prompt, group.prompt_ids, comps, group.finished)
+
+    def memory_stats(self) -> dict[str, int]:
+        alloc = self.allocator
+        full = getattr(alloc, "full", alloc)
+        swa = getattr(alloc, "swa", None)
+        return {
+            "full_tokens_used": full.used(),
+            "full_tokens_total": full.size,
+            "swa_tokens_used": swa.used() if swa is not None else 0,
+            "swa_tokens_total": swa.size if swa is not None else 0,
+            "running": len(self.scheduler.running),
+            "waiting": sum(1 for r in self.scheduler.waiting if r.status is ReqStatus.WAITING),
+            "retractions": self.scheduler.retractions_total,
+        }
+
+
+class LLM:
+    """Offline batch generation: `LLM().generate(prompts, SamplingParams(...))`.
+
+    `model=None` loads the embedded Gemma 3 270M; `device=None` picks CUDA when available.
+    """
+
+    def __init__(self, model: str | None = None, device: Any = None, dtype: Any = None, **engine_options: Any):
+        self.engine = Engine(model, device=device, dtype=dtype, **engine_options)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _normalise_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts")
+        ids = [str(next(self._ids)) for _ in prompt_list]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompt_list, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.engine.memory_stats()
+
+
+def _normalise_prompts(prompts: Any) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("no prompts given")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return [p if isinstance(p, str) else list(p) for p in prompts]
+    raise ValueError("prompts must be a string, a list of strings, or token-id lists")

@@ -1,0 +1,92 @@
+"""Assembles what the engine runs on: the memory plan, pools, allocator, evictor, model runner and
+scheduler, from a loaded model and the configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from swaserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from swaserve.memory import (
+    KVPool,
+    MemoryPlan,
+    ReqToTokenPool,
+    SWAEvictor,
+    SWAKVPool,
+    SWATokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+    plan_memory,
+)
+from swaserve.runner.memory_budget import kv_budget_bytes
+from swaserve.scheduler.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass
+class Runtime:
+    plan: MemoryPlan
+    kv: SWAKVPool
+    req_to_token: ReqToTokenPool
+    allocator: SWATokenToKVPoolAllocator | TokenToKVPoolAllocator
+    evictor: SWAEvictor | None
+    runner: Any  # ModelRunner
+    scheduler: Scheduler
+
+
+def build_runtime(
+    config: ModelConfig,
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    runner_cfg: RunnerConfig,
+) -> Runtime:
+    from swaserve.runner.model_runner import ModelRunner
+
+    kv_dtype = cache.dtype or dtype
+    ctx = config.max_context
+    plan = plan_memory(
+        kv_budget_bytes(device, cache),
+        config.full_group,
+        config.swa_group,
+        kv_dtype,
+        ctx,
+        config.sliding_window,
+        hybrid=not cache.disable_hybrid_swa,
+        swa_full_tokens_ratio=cache.swa_full_tokens_ratio,
+        evict_margin=cache.swa_evict_margin,
+        evict_chunk=cache.swa_evict_chunk,
+        prefill_chunk=sched.max_prefill_tokens,
+    )
+    fg, sg = config.full_group, config.swa_group
+    table = ReqToTokenPool(sched.max_running_requests + 1, ctx, device)
+    evictor: SWAEvictor | None = None
+    if plan.hybrid:
+        need = plan.swa_tokens_per_request + sched.max_prefill_tokens
+        if plan.swa_tokens < need:
+            raise ValueError(
+                f"the SWA pool ({plan.swa_tokens} tokens) cannot hold one request's window plus a prefill chunk "
+                f"({need} tokens): raise the KV budget or swa_full_tokens_ratio, or lower max_prefill_tokens"
+            )
+        full = KVPool(plan.full_tokens, fg.num_layers, fg.num_kv_heads, fg.k_head_dim, fg.v_head_dim, kv_dtype, device)
+        swa = KVPool(plan.swa_tokens, sg.num_layers, sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim, kv_dtype, device)
+        kv = SWAKVPool(full, swa, fg.layer_ids, sg.layer_ids)
+        allocator: Any = SWATokenToKVPoolAllocator(plan.full_tokens, plan.swa_tokens, device)
+        evictor = SWAEvictor(allocator, table, config.sliding_window, cache.swa_evict_margin, cache.swa_evict_chunk)  # type: ignore[arg-type]
+        full_to_swa = allocator.full_to_swa_device
+    else:
+        if sg.num_layers and (sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim) != (fg.num_kv_heads, fg.k_head_dim, fg.v_head_dim) and fg.num_layers:
+            raise ValueError("disable_hybrid_swa needs SWA and full layers of the same K/V shape")
+        shape = sg if not fg.num_layers else fg
+        full = KVPool(plan.full_tokens, config.num_layers, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim, kv_dtype, device)
+        kv = SWAKVPool(full, None, fg.layer_ids, sg.layer_ids)
+        allocator = TokenToKVPoolAllocator(plan.full_tokens)
+        full_to_swa = None
+    runner = ModelRunner(config, model, kv, table, full_to_swa, device, dtype, attention_backend=runner_cfg.attention_backend)
+    scheduler = Scheduler(sched, ctx, table, allocator, evictor)
+    return Runtime(plan, kv, table, allocator, evictor, runner, scheduler)
