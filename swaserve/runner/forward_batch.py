@@ -34,6 +34,9 @@ class ForwardBatch:
     seq_lens_cpu: list[int]  # [bs] host copy of seq_lens
     extend_prefix_lens_cpu: list[int] | None = None  # [bs] extend only: cached tokens before the new ones
     extend_seq_lens_cpu: list[int] | None = None  # [bs] extend only: new tokens per request
+    # [num_tokens] int32, device: out_cache_loc in SWA space. Set by graph runners from their static
+    # buffer so the captured write reads it; None: the backend translates once per forward.
+    swa_out_cache_loc: torch.Tensor | None = None
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = field(default=None, repr=False)  # built by attn_backend.init_forward_metadata
 
