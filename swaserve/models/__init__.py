@@ -1,0 +1,1 @@
+"""Model families (one file each, only what differs) and the architecture registry."""

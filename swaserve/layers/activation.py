@@ -1,0 +1,45 @@
+"""Activation functions by HF name, GPT-OSS's clamped SwiGLU and the tanh soft-cap."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,  # exact (erf)
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The elementwise activation HF calls `name` (config `hidden_act` / `hidden_activation`)."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS expert activation on interleaved `[..., 2I]` (gate at even, up at odd columns).
+
+    gate is clamped from above, up on both sides, then `(up + 1) * gate * sigmoid(alpha * gate)`.
+    """
+    gate = gate_up[..., ::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`cap * tanh(x / cap)`: squashes logits into (-cap, cap) (Gemma 2 attention and final logits)."""
+    return x if cap is None else cap * torch.tanh(x / cap)

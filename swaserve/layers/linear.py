@@ -1,0 +1,39 @@
+"""Merged projections: one GEMM for several HF weights that read the same input (q/k/v, gate/up)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MergedLinear(nn.Module):
+    """`y = x @ W.T (+ b)` where W stacks the row blocks of several HF projections.
+
+    Invariant: shard i occupies output rows `offsets[i] : offsets[i] + out_sizes[i]` of `weight` and
+    `bias`; `load_shard` is the only way an HF tensor gets into a block.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = list(out_sizes)
+        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        total = sum(out_sizes)
+        self.weight = nn.Parameter(torch.empty(total, in_features))  # [sum(out_sizes), in]
+        self.bias = nn.Parameter(torch.empty(total)) if bias else None  # [sum(out_sizes)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, shard: int, param_name: str, tensor: torch.Tensor) -> None:
+        """Copy HF tensor `tensor` into block `shard` of `weight` or `bias` (`param_name`)."""
+        param = getattr(self, param_name)
+        block = param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
+        if tuple(tensor.shape) != tuple(block.shape):
+            raise ValueError(f"shard {shard} of {param_name}: expected shape {tuple(block.shape)}, "
+                             f"got {tuple(tensor.shape)}")
+        block.copy_(tensor)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}"

@@ -1,0 +1,35 @@
+"""RMSNorm in the two forms the supported families use: Llama's `w * x̂` and Gemma's `(1 + w) * x̂`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim; statistics always in float32.
+
+    `unit_offset=True` is Gemma's form: the stored weight is a delta from 1 and the product is taken
+    in float32 before casting back. Otherwise the weight multiplies the normalised input after it is
+    cast back to the input dtype (Llama), or in float32 with `fp32_weight=True` (GPT-OSS keeps its
+    norms in float32). The forms only differ in rounding below float32.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False, fp32_weight: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.fp32_weight = fp32_weight
+        self.weight = nn.Parameter(torch.empty(dim))  # [dim]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        if self.fp32_weight:
+            return (self.weight.float() * xf).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"

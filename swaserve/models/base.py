@@ -1,0 +1,198 @@
+"""CausalLM: the decoder-only skeleton every family shares (embed -> layers -> final norm -> LM head)
+and weight loading by HF parameter name. Family files override small hooks, nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from swaserve.config import FULL, SLIDING, ModelConfig
+from swaserve.layers.attention import SelfAttention
+from swaserve.layers.embedding import LMHead, VocabEmbedding
+from swaserve.layers.linear import MergedLinear
+from swaserve.layers.mlp import GatedMLP
+from swaserve.layers.norm import RMSNorm
+from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
+
+if TYPE_CHECKING:
+    from swaserve.runner.forward_batch import ForwardBatch
+
+# HF projection -> (merged parameter, shard). Patterns carry their dots so ".up_proj." never
+# matches inside ".gate_up_proj." (GPT-OSS experts keep that name unmerged).
+STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
+    (".q_proj.", ".qkv_proj.", 0),
+    (".k_proj.", ".qkv_proj.", 1),
+    (".v_proj.", ".qkv_proj.", 2),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block. `sandwich=True` (Gemma) also norms the attention and MLP outputs
+    before they join the residual; HF names: input_layernorm, post_attention_layernorm and, for
+    sandwich, pre_feedforward_layernorm / post_feedforward_layernorm.
+    """
+
+    def __init__(self, self_attn: SelfAttention, mlp: nn.Module, hidden_size: int, norm: dict, sandwich: bool):
+        super().__init__()
+        self.sandwich = sandwich
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, **norm)
+        self.post_attention_layernorm = RMSNorm(hidden_size, **norm)
+        if sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden_size, **norm)
+            self.post_feedforward_layernorm = RMSNorm(hidden_size, **norm)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), batch))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + self.self_attn(self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.` prefix: embed_tokens, layers, norm."""
+
+    def __init__(self, embed_tokens: VocabEmbedding, layers: list[DecoderLayer], norm: RMSNorm):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM built from a transformers config; the engine's model interface.
+
+    `forward(batch)` returns the final hidden states `[num_tokens, hidden]`, `compute_logits` float32
+    logits, `load_weights` consumes (HF name, tensor) pairs and raises ValueError on unknown or
+    missing names. Which layers slide, and their window, come from `ModelConfig.from_hf`, so the
+    model and the KV pools agree on layer ids by construction.
+    """
+
+    sandwich_norms = False  # Gemma: extra norms after attention and MLP
+    norm_kwargs: ClassVar[dict[str, Any]] = {}  # RMSNorm form (Gemma: unit_offset=True)
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        hf = self.hf_config = hf_config
+        self.config = ModelConfig.from_hf(hf)
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.norm_kw = {"eps": hf.rms_norm_eps, **self.norm_kwargs}
+        self._ropes: dict[str, RotaryEmbedding] = {}
+        layers = [
+            DecoderLayer(self.build_attention(i), self.build_mlp(i), hf.hidden_size, self.norm_kw, self.sandwich_norms)
+            for i in range(hf.num_hidden_layers)
+        ]
+        embed = VocabEmbedding(hf.vocab_size, hf.hidden_size, self.embed_scale())
+        self.model = DecoderStack(embed, layers, RMSNorm(hf.hidden_size, **self.norm_kw))
+        tied = bool(getattr(hf, "tie_word_embeddings", False))
+        softcap = getattr(hf, "final_logit_softcapping", None)
+        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, tied, softcap)
+
+    # ---- hooks for family files -----------------------------------------------------------------
+
+    def embed_scale(self) -> float | None:
+        return None
+
+    def layer_type(self, layer_id: int) -> str:
+        return SLIDING if self.config.is_sliding(layer_id) else FULL
+
+    def rotary(self, layer_id: int) -> RotaryEmbedding:
+        # One module per layer type: Gemma 3 gives each type its own base; others share one dict.
+        kind = self.layer_type(layer_id)
+        if kind not in self._ropes:
+            self._ropes[kind] = rope_from_config(self.hf_config, self.head_dim, kind)
+        return self._ropes[kind]
+
+    def attention_kwargs(self, layer_id: int) -> dict[str, Any]:
+        hf = self.hf_config
+        bias = bool(getattr(hf, "attention_bias", False))
+        return {
+            "layer_id": layer_id,
+            "hidden_size": hf.hidden_size,
+            "num_heads": hf.num_attention_heads,
+            "num_kv_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            "head_dim": self.head_dim,
+            "rotary": self.rotary(layer_id),
+            "scaling": self.head_dim**-0.5,
+            "sliding_window": self.config.sliding_window if self.config.is_sliding(layer_id) else None,
+            "qkv_bias": bias,
+            "o_bias": bias,
+        }
+
+    def build_attention(self, layer_id: int) -> SelfAttention:
+        return SelfAttention(**self.attention_kwargs(layer_id))
+
+    def build_mlp(self, layer_id: int) -> nn.Module:
+        hf = self.hf_config
+        act = getattr(hf, "hidden_activation", None) or hf.hidden_act
+        return GatedMLP(hf.hidden_size, hf.intermediate_size, act, bias=bool(getattr(hf, "mlp_bias", False)))
+
+    def map_weight_name(self, name: str) -> str | None:
+        """HF checkpoint name -> this module's name; None skips the tensor."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name.startswith("lm_head.") and self.lm_head.tied:
+            return None  # some tied checkpoints store a copy of the embedding
+        return name
+
+    # ---- the engine interface -------------------------------------------------------------------
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        return self.lm_head(hidden, self.model.embed_tokens)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        merged = {
+            f"{mod_name}.{p}": mod
+            for mod_name, mod in self.named_modules()
+            if isinstance(mod, MergedLinear)
+            for p in ("weight", "bias")
+            if getattr(mod, p) is not None
+        }
+        expected = {(n, None) for n in params if n not in merged}
+        expected |= {(n, i) for n, mod in merged.items() for i in range(len(mod.out_sizes))}
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            target = self.map_weight_name(name)
+            if target is not None:
+                loaded.add(self._load_one(name, target, tensor, params, merged))
+        missing = sorted(f"{n}" + ("" if s is None else f"[shard {s}]") for n, s in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
+
+    def _load_one(
+        self, name: str, target: str, tensor: torch.Tensor,
+        params: dict[str, nn.Parameter], merged: dict[str, MergedLinear],
+    ) -> tuple[str, int | None]:
+        for src, dst, shard in STACKED_PARAMS:
+            if src in target:
+                pname = target.replace(src, dst)
+                if pname not in merged:
+                    raise ValueError(f"unknown weight {name!r} (no merged parameter {pname!r})")
+                merged[pname].load_shard(shard, pname.rsplit(".", 1)[1], tensor)
+                return pname, shard
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+        param.data.copy_(tensor)
+        return target, None

@@ -1,0 +1,45 @@
+"""HF architecture name -> model class, imported lazily so only the family in use is loaded."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("swaserve.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("swaserve.models.llama", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("swaserve.models.mistral", "MistralForCausalLM"),
+    "Gemma2ForCausalLM": ("swaserve.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("swaserve.models.gemma3", "Gemma3ForCausalLM"),
+    # Text-only use of a multimodal checkpoint: the vision weights are skipped.
+    "Gemma3ForConditionalGeneration": ("swaserve.models.gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("swaserve.models.gpt_oss", "GptOssForCausalLM"),
+}
+
+# For configs that carry no `architectures` (built in code, or by the GGUF loader).
+_BY_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str, model_type: str | None = None) -> type[nn.Module]:
+    """The class for HF `architecture`, falling back to the config's `model_type`."""
+    if architecture not in _MODELS and model_type in _BY_MODEL_TYPE:
+        architecture = _BY_MODEL_TYPE[model_type]
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,97 @@
+"""ModelRunner: one eager model step (attention metadata, model, last-token logits), and
+`build_model`, which instantiates a registry model without initialising its weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from swaserve.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from swaserve.attention.base import AttentionBackend
+    from swaserve.config import ModelConfig
+    from swaserve.memory.req_to_token import ReqToTokenPool
+    from swaserve.memory.swa import SWAKVPool
+    from swaserve.runner.forward_batch import ForwardBatch
+
+# Every backend is constructed as cls(kv, req_to_token, full_to_swa, sliding_window=W).
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "torch_native": ("swaserve.attention.torch_native", "TorchNativeAttnBackend"),
+    "triton": ("swaserve.attention.triton", "TritonAttnBackend"),
+}
+
+
+def default_attention_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch_native"
+
+
+def create_attention_backend(
+    name: str,
+    kv: SWAKVPool,
+    req_to_token: ReqToTokenPool,
+    full_to_swa: torch.Tensor | None,
+    sliding_window: int | None,
+) -> AttentionBackend:
+    """Instantiate backend `name`; imported lazily so a CPU run never imports a GPU backend."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}")
+    module, cls = _BACKENDS[name]
+    backend_cls = getattr(importlib.import_module(module), cls)
+    return backend_cls(kv, req_to_token, full_to_swa, sliding_window=sliding_window)
+
+
+def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The registry class for `model_config`, with uninitialised weights of `dtype` on `device`.
+
+    Built on the meta device first so no time goes into random init that `load_weights` overwrites
+    (rotary tables are computed explicitly on the CPU and survive this).
+    """
+    hf = model_config.hf_config
+    if hf is None:
+        raise ValueError("ModelConfig has no hf_config; build it with ModelConfig.from_hf")
+    cls = get_model_class(model_config.architecture, getattr(hf, "model_type", None))
+    with torch.device("meta"):
+        model = cls(hf)
+    return model.to(dtype=dtype).to_empty(device=torch.device(device)).eval()
+
+
+class ModelRunner:
+    """Runs the model eagerly for one `ForwardBatch` and returns each request's next-token logits.
+
+    Owns the attention backend (chosen by name) and wires it into every batch; the KV pools, the
+    request table and `full_to_swa` belong to the memory layer and are only read/written through it.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model: nn.Module,
+        kv: SWAKVPool,
+        req_to_token: ReqToTokenPool,
+        full_to_swa: torch.Tensor | None,  # [full_size+2] int32, device; None without an SWA pool
+        device: torch.device | str,
+        dtype: torch.dtype,
+        attention_backend: str | None = None,  # None: triton on CUDA, torch_native elsewhere
+    ):
+        self.model_config = model_config
+        self.model = model
+        self.device = torch.device(device)
+        self.dtype = dtype
+        if model_config.is_hybrid and kv.swa is not None and full_to_swa is None:
+            raise ValueError("an SWA pool needs the full_to_swa table")
+        self.attn_backend = create_attention_backend(
+            attention_backend or default_attention_backend(self.device), kv, req_to_token, full_to_swa, model_config.sliding_window
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[batch_size, vocab]` float32 of each request's last new token."""
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden[batch.last_token_indices()])

@@ -1,0 +1,103 @@
+"""Tiny random-weight HF models of every supported family: both layer types, windows of 8-12 that
+the test prompts cross, and each family's quirks turned up so they matter (small soft-caps, a low
+SwiGLU clamp, scaled rotary bases)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers as tf
+
+COMMON = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 256, "eos_token_id": None, "pad_token_id": 0}
+
+
+def llama() -> Any:
+    # llama3 frequency scaling with a short original context so all three bands occur.
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    return tf.LlamaConfig(**COMMON, num_hidden_layers=2, rope_parameters=rope, tie_word_embeddings=False,
+                          attention_bias=True, mlp_bias=True)
+
+
+def mistral() -> Any:
+    return tf.MistralConfig(**COMMON, num_hidden_layers=3, sliding_window=8, head_dim=24, tie_word_embeddings=False)
+
+
+def qwen3() -> Any:
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    return tf.Qwen3Config(**COMMON, num_hidden_layers=4, head_dim=16, use_sliding_window=True, sliding_window=12,
+                          max_window_layers=2, rope_parameters=rope, tie_word_embeddings=True)
+
+
+def gemma2() -> Any:
+    return tf.Gemma2Config(**COMMON, num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                           attn_logit_softcapping=4.0, final_logit_softcapping=3.0,
+                           hidden_activation="gelu_pytorch_tanh")
+
+
+def gemma3() -> Any:
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}
+    return tf.Gemma3TextConfig(**COMMON, num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                               layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                            "sliding_attention"], rope_parameters=rope)
+
+
+def gpt_oss() -> Any:
+    # YaRN as GPT-OSS ships it (no truncation), scaled down to this context.
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 32}
+    return tf.GptOssConfig(**COMMON, num_hidden_layers=4, head_dim=16, sliding_window=8, num_local_experts=4,
+                           num_experts_per_tok=2, swiglu_limit=1.0, rope_parameters=rope)
+
+
+FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
+    "llama": (llama, tf.LlamaForCausalLM),
+    "mistral": (mistral, tf.MistralForCausalLM),
+    "qwen3": (qwen3, tf.Qwen3ForCausalLM),
+    "gemma2": (gemma2, tf.Gemma2ForCausalLM),
+    "gemma3": (gemma3, tf.Gemma3ForCausalLM),
+    "gpt_oss": (gpt_oss, tf.GptOssForCausalLM),
+}
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Weights big enough that every path matters: norms jitter around their identity, biases and
+    sinks are far from zero (routing and sinks then vary per token)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        if "norm" in name:
+            p.add_(0.2 * noise)
+        elif p.ndim >= 2:
+            p.copy_(0.12 * noise)
+        else:
+            p.copy_(0.5 * noise)
+
+
+def make_hf_model(family: str, out_dir: Path, seed: int = 0) -> torch.nn.Module:
+    """Build the tiny HF model in fp32 with eager attention, randomise it, save_pretrained to `out_dir`."""
+    make_config, cls = FAMILIES[family]
+    config = make_config()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    randomize_(model, seed)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """HF `generate` (greedy, no EOS stop) on one prompt alone: per-step logits `[steps, vocab]`, tokens."""
+    ids = torch.tensor([prompt])
+    gen = tf.GenerationConfig(max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return torch.cat(out.logits).float(), tokens

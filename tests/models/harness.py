@@ -1,0 +1,163 @@
+"""Test harness for model tests: allocates request rows and KV slots from the memory layer, builds
+extend/decode ForwardBatches and runs them through ModelRunner. Stands in for the scheduler.
+
+Strict on purpose: slot 0 of every pool is NaN, SWA slots are freed the moment they leave the
+window (margin 0, chunk 1) and poisoned with NaN, and the SWA pool is sized so that decoding only
+fits because of that eviction. A read outside the window therefore cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from swaserve.config import ModelConfig
+from swaserve.memory import (
+    KVPool,
+    ReqToTokenPool,
+    SWAEvictor,
+    SWAKVPool,
+    SWATokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+from swaserve.runner.model_runner import ModelRunner
+
+
+@dataclass
+class _Req:
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V are in the cache
+    evicted: int = 0  # SWA slots of positions below this were freed
+
+
+class Harness:
+    """Owns pools, allocator, request table and a ModelRunner for one model; hybrid or single-pool."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: nn.Module,
+        *,
+        hybrid: bool,
+        full_tokens: int,
+        swa_tokens: int,
+        max_reqs: int = 8,
+        max_context: int = 256,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.config = config
+        self.hybrid = hybrid and config.is_hybrid
+        fg, sg = config.full_group, config.swa_group
+        self.table = ReqToTokenPool(max_reqs, max_context)
+        if self.hybrid:
+            self.full = KVPool(full_tokens, fg.num_layers, fg.num_kv_heads, fg.k_head_dim, fg.v_head_dim, dtype)
+            self.swa = KVPool(swa_tokens, sg.num_layers, sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim, dtype)
+            self.kv = SWAKVPool(self.full, self.swa, fg.layer_ids, sg.layer_ids)
+            self.alloc = SWATokenToKVPoolAllocator(full_tokens, swa_tokens)
+            self.evictor = SWAEvictor(self.alloc, self.table, config.sliding_window, margin=0, chunk=1)
+            f2s = self.alloc.full_to_swa_device
+        else:
+            shape = fg if fg.num_layers else sg
+            self.full = KVPool(full_tokens, config.num_layers, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim, dtype)
+            self.swa = None
+            self.kv = SWAKVPool(self.full, None, fg.layer_ids, sg.layer_ids)
+            self.alloc, self.evictor, f2s = TokenToKVPoolAllocator(full_tokens), None, None
+        for pool in (self.full, self.swa):
+            for i in range(pool.num_layers if pool is not None else 0):
+                pool.k_buffer(i)[0] = float("nan")
+                pool.v_buffer(i)[0] = float("nan")
+        self.runner = ModelRunner(config, model, self.kv, self.table, f2s, "cpu", dtype, "torch_native")
+        self.reqs: dict[int, _Req] = {}
+
+    def add_request(self) -> int:
+        row = self.table.alloc()
+        assert row is not None, "request table full"
+        self.reqs[row] = _Req()
+        return row
+
+    def extend(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Prefill `chunks[i]` on top of what row i has cached; logits `[bs, vocab]` of each chunk's end."""
+        return self._step(ForwardMode.EXTEND, rows, chunks)
+
+    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        return self._step(ForwardMode.DECODE, rows, [[t] for t in tokens])
+
+    def _step(self, mode: ForwardMode, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        prefix = [len(self.reqs[r].tokens) for r in rows]
+        locs = []
+        for row, p, chunk in zip(rows, prefix, chunks):
+            slots = self.alloc.alloc(len(chunk))
+            if slots is None:
+                raise RuntimeError("KV pool exhausted (SWA slots not evicted?)")
+            self.table.write(row, p, slots)
+            locs.append(slots)
+        batch = ForwardBatch.build(
+            mode,
+            input_ids=[t for c in chunks for t in c],
+            positions=[p + i for p, c in zip(prefix, chunks) for i in range(len(c))],
+            req_pool_indices=rows,
+            seq_lens=[p + len(c) for p, c in zip(prefix, chunks)],
+            out_cache_loc=torch.cat(locs),
+            device="cpu",
+            extend_prefix_lens=None if mode is ForwardMode.DECODE else prefix,
+            extend_seq_lens=None if mode is ForwardMode.DECODE else [len(c) for c in chunks],
+        )
+        logits = self.runner.forward(batch)
+        for row, chunk in zip(rows, chunks):
+            self.reqs[row].tokens += chunk
+            self._evict(row)
+        self.check()
+        return logits
+
+    def _evict(self, row: int) -> None:
+        if self.evictor is None:
+            return
+        req = self.reqs[row]
+        next_q = len(req.tokens)  # every query below this has run
+        frontier = self.evictor.frontier(next_q)
+        dead = self.alloc.translate_full_to_swa(self.table.slots(row, req.evicted, max(frontier, req.evicted))).long()
+        new = self.evictor.evict(row, next_q, req.evicted)
+        if new > req.evicted:
+            for i in range(self.swa.num_layers):
+                self.swa.k_buffer(i)[dead] = float("nan")
+                self.swa.v_buffer(i)[dead] = float("nan")
+            req.evicted = new
+
+    def release(self, row: int) -> None:
+        n = len(self.reqs.pop(row).tokens)
+        self.alloc.free(self.table.slots(row, 0, n))
+        self.table.free(row)
+        self.check()
+
+    def check(self) -> None:
+        self.table.check_integrity()
+        self.alloc.check_integrity()
+
+    def generate(self, prompts: list[list[int]], steps: int, chunk: int | None = None) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """Greedy: prefill all prompts (in chunks of `chunk` if set), then `steps - 1` batched decodes.
+
+        Returns per prompt the `[steps, vocab]` logits that chose each new token, and the tokens.
+        """
+        rows = [self.add_request() for _ in prompts]
+        done = [0] * len(prompts)
+        first: list[torch.Tensor | None] = [None] * len(prompts)
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            idx = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+            ends = [len(prompts[i]) if chunk is None else min(len(prompts[i]), done[i] + chunk) for i in idx]
+            logits = self.extend([rows[i] for i in idx], [prompts[i][done[i]:e] for i, e in zip(idx, ends)])
+            for j, (i, e) in enumerate(zip(idx, ends)):
+                done[i] = e
+                if e == len(prompts[i]):
+                    first[i] = logits[j]
+        step_logits = [[lg] for lg in first]
+        tokens = [[int(lg.argmax())] for lg in first]
+        for _ in range(steps - 1):
+            logits = self.decode(rows, [t[-1] for t in tokens])
+            for i, lg in enumerate(logits):
+                step_logits[i].append(lg)
+                tokens[i].append(int(lg.argmax()))
+        for row in rows:
+            self.release(row)
+        return [torch.stack(s) for s in step_logits], tokens

@@ -1,0 +1,131 @@
+"""Loading paths and their errors: sharded safetensors, a multimodal Gemma 3 checkpoint (text part),
+bf16 weights, tied heads with a stored copy, and clear errors for missing files, unknown
+architectures, unknown/missing weights and MXFP4 GPT-OSS."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from families import FAMILIES, gemma3, make_hf_model, randomize_
+from harness import Harness
+
+from swaserve.config import ModelConfig
+from swaserve.loader.hf_dir import load_model_from_dir
+from swaserve.loader.safetensors import iter_safetensors, safetensors_files
+from swaserve.models.registry import get_model_class, supported_architectures
+from swaserve.runner.model_runner import build_model
+
+PROMPTS = [list(range(3, 30)), list(range(40, 51))]  # 27 and 11 tokens: both cross W = 8
+
+
+def prefill_logits(config: ModelConfig, model: torch.nn.Module, dtype=torch.float32) -> torch.Tensor:
+    h = Harness(config, model, hybrid=True, full_tokens=128, swa_tokens=64, dtype=dtype)
+    return h.extend([h.add_request() for _ in PROMPTS], PROMPTS)
+
+
+def hf_last_logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([p])).logits[0, -1].float() for p in PROMPTS])
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    hf = make_hf_model("gemma3", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(safetensors_files(tmp_path / "sharded")) > 1
+    config, model = load_model_from_dir(tmp_path / "sharded", dtype=torch.float32)
+    assert (prefill_logits(config, model) - hf_last_logits(hf)).abs().max() < 1e-4
+
+
+def test_multimodal_gemma3_checkpoint_loads_text_model(tmp_path):
+    text = gemma3().to_dict()
+    for key in ("architectures", "transformers_version", "model_type", "dtype"):
+        text.pop(key, None)
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=150, boi_token_index=151, eoi_token_index=152)
+    cfg._attn_implementation = "eager"
+    hf = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    randomize_(hf, 0)
+    hf.save_pretrained(tmp_path)
+    config, model = load_model_from_dir(tmp_path, dtype=torch.float32)
+    assert config.architecture == "Gemma3ForConditionalGeneration" and config.is_hybrid
+    assert (prefill_logits(config, model) - hf_last_logits(hf)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_bf16_weights(tmp_path, family):
+    # bf16 end to end (weights, KV pools, activations) vs HF in fp32: a loose check that no
+    # path silently mixes dtypes; tight parity is the fp32 tests' job.
+    hf = make_hf_model(family, tmp_path)
+    config, model = load_model_from_dir(tmp_path, dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    ours = prefill_logits(config, model, dtype=torch.bfloat16)
+    assert ours.dtype == torch.float32
+    ref = hf_last_logits(hf)
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()  # HF bf16 itself is off by ~0.02
+
+
+def test_tied_head_with_stored_copy_is_accepted(tmp_path):
+    hf = make_hf_model("gemma2", tmp_path)
+    weights = list(iter_safetensors(tmp_path))
+    assert not any(n.startswith("lm_head.") for n, _ in weights)
+    emb = dict(weights)["model.embed_tokens.weight"]
+    config = ModelConfig.from_hf(hf.config)
+    model = build_model(config, torch.float32, "cpu")
+    model.load_weights(weights + [("lm_head.weight", emb.clone())])
+    assert (prefill_logits(config, model) - hf_last_logits(hf)).abs().max() < 1e-4
+
+
+def test_unknown_and_missing_weights_raise(tmp_path):
+    make_hf_model("llama", tmp_path)
+    weights = list(iter_safetensors(tmp_path))
+    config = ModelConfig.from_hf(tf.AutoConfig.from_pretrained(tmp_path))
+    with pytest.raises(ValueError, match="unknown weight 'model.layers.0.self_attn.bogus.weight'"):
+        build_model(config, torch.float32, "cpu").load_weights(
+            weights + [("model.layers.0.self_attn.bogus.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"missing 1 weights.*qkv_proj.weight\[shard 1\]"):
+        build_model(config, torch.float32, "cpu").load_weights(
+            [(n, t) for n, t in weights if n != "model.layers.1.self_attn.k_proj.weight"])
+    with pytest.raises(ValueError, match="missing.*lm_head.weight"):  # untied head must be stored
+        build_model(config, torch.float32, "cpu").load_weights([(n, t) for n, t in weights if n != "lm_head.weight"])
+    bad = [(n, t[:-1] if n == "model.norm.weight" else t) for n, t in weights]
+    with pytest.raises(ValueError, match="model.norm.weight.*expected shape"):
+        build_model(config, torch.float32, "cpu").load_weights(bad)
+
+
+def test_missing_files_raise(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model_from_dir(tmp_path)
+    tf.LlamaConfig(**{k: v for k, v in FAMILIES["llama"][0]().to_dict().items() if k != "transformers_version"}
+                   ).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model_from_dir(tmp_path)
+
+
+def test_registry():
+    assert {"Gemma3ForCausalLM", "Gemma2ForCausalLM", "MistralForCausalLM", "LlamaForCausalLM",
+            "Qwen3ForCausalLM", "GptOssForCausalLM"} <= set(supported_architectures())
+    with pytest.raises(ValueError, match="unsupported model architecture 'FooForCausalLM'.*LlamaForCausalLM"):
+        get_model_class("FooForCausalLM")
+    # A config built in code has no `architectures`: the model type decides.
+    assert get_model_class("Qwen3Config", "qwen3").__name__ == "Qwen3ForCausalLM"
+
+
+def test_mxfp4_gpt_oss_is_rejected(tmp_path):
+    cfg = FAMILIES["gpt_oss"][0]()
+    cfg.quantization_config = {"quant_method": "mxfp4"}
+    with pytest.raises(ValueError, match="MXFP4.*not supported yet"):
+        build_model(ModelConfig.from_hf(cfg), torch.bfloat16, "cpu")
+    plain = build_model(ModelConfig.from_hf(FAMILIES["gpt_oss"][0]()), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="MXFP4"):
+        plain.load_weights([("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(1, dtype=torch.uint8))])
+
+
+def test_config_json_is_what_the_loader_reads(tmp_path):
+    # Guard the test setup itself: save_pretrained must record the architecture we register.
+    make_hf_model("mistral", tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["MistralForCausalLM"]
