@@ -1,9 +1,15 @@
-"""Shared test setup: deterministic seeds, and GPU tests skipped where there is no CUDA device."""
+"""Shared test setup: Triton in interpreter mode on CPU, deterministic seeds, GPU tests skipped without CUDA."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in its CPU interpreter; this must be set before triton is imported.
+if not torch.cuda.is_available() and os.environ.get("SWASERVE_KERNEL_TESTS_ON_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

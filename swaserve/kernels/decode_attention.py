@@ -1,0 +1,268 @@
+"""Split-K flash-decoding over CSR key lists (`decode_attention`), plus the small jit helpers
+(soft-cap, online-softmax step, dot) the extend kernel shares."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST, PRECISION) constexprs for `_dot`.
+
+    fp32 runs as true fp32 ("ieee"), not tf32, so fp32 stays a usable accuracy reference on GPU.
+    The CPU interpreter (triton 3.9) multiplies bf16/fp16 operands as their raw uint16 bits, so
+    under TRITON_INTERPRET operands are upcast to fp32 first (values are identical after rounding).
+    """
+    return interpret_mode() and dtype != torch.float32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(d: int) -> int:
+    """Head dims pad to a power of 2 (masked); at least 16, the smallest tl.dot operand dim."""
+    return max(16, triton.next_power_of_2(d))
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _scores(qk, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw q.k -> logits in log2 units (so the softmax can use exp2)."""
+    if HAS_SOFTCAP:
+        x = qk * qk_scale / softcap
+        # tanh via exp: saturates cleanly to +-1 for large |x| and needs no libdevice (interpreter).
+        x = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        return x * (softcap * 1.4426950408889634)
+    return qk * (qk_scale * 1.4426950408889634)
+
+
+@triton.jit
+def _online_step(s, m, l):
+    """One online-softmax step on masked log2 logits s [R, N] (-inf = masked); returns
+    (p, alpha, m_new, l_new). Rows with every key masked so far keep m = -inf and p = 0, no NaN."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _finish(acc, m, l, sinks_ptr, heads, hmask, HAS_SINKS: tl.constexpr):
+    """acc / (l + exp(sink)) with the sink as a value-less extra logit; 0 where nothing is seen."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m, sink)
+        scale = tl.exp2(m - m_f)
+        l = l * scale + tl.exp2(sink - m_f)
+        acc = acc * scale[:, None]
+    return tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+@triton.jit
+def _split_bounds(n, split, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) of one split and the number of non-empty splits. Chunks are whole BLOCK_N
+    multiples of at least MIN_CHUNK (>= BLOCK_N, so n = 0 gives 0 splits, not a division by 0)."""
+    chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, MIN_CHUNK)
+    lo = split * chunk
+    return lo, tl.minimum(n, lo + chunk), tl.cdiv(n, chunk)
+
+
+@triton.jit
+def _decode_stage1(
+    q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks,
+    qk_scale, softcap,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) // HEAD_BLOCKS
+    hblk = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+
+    # GQA: the query heads sharing one kv head form the M dim of the dots, so K/V load once.
+    g = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = g < GROUP
+    heads = kvh * GROUP + g
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q_t = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + dk[None, :],
+                  mask=hmask[:, None] & (dk[None, :] < DK), other=0.0)
+
+    start = tl.load(kv_indptr + b).to(tl.int64)
+    n = tl.load(kv_indptr + b + 1).to(tl.int64) - start
+    lo, hi, _ = _split_bounds(n, split, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        offs = j0 + tl.arange(0, BLOCK_N)
+        nmask = offs < hi
+        slot = tl.load(kv_indices + start + offs, mask=nmask, other=0).to(tl.int64)
+        k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],
+                      mask=nmask[:, None] & (dk[None, :] < DK), other=0.0)
+        s = _scores(_dot(q_t, tl.trans(k_t.to(q_t.dtype)), UPCAST, PREC), qk_scale, softcap, HAS_SOFTCAP)
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        p, alpha, m, l = _online_step(s, m, l)
+        v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
+                      mask=nmask[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(q_t.dtype), v_t.to(q_t.dtype), UPCAST, PREC)
+
+    if DIRECT:
+        # One split: finish here and skip stage 2 (and its launch).
+        o = _finish(acc, m, l, sinks, heads, hmask, HAS_SINKS)
+        tl.store(out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+                 o.to(out.dtype.element_ty), mask=hmask[:, None] & (dv[None, :] < DV))
+    else:
+        # Empty splits write nothing; stage 2 recomputes which splits exist.
+        # (scalar & vector masks come out int32 in the triton 3.9 interpreter: compare instead)
+        ok = g < tl.where(lo < hi, GROUP, 0)
+        l = tl.where(l > 0, l, 1.0)
+        o = acc / l[:, None]
+        tl.store(mid_o + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + dv[None, :],
+                 o, mask=ok[:, None] & (dv[None, :] < DV))
+        tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, m + tl.log2(l), mask=ok)
+
+
+@triton.jit
+def _decode_stage2(
+    kv_indptr, out, mid_o, mid_lse, sinks,
+    stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(kv_indptr + b + 1).to(tl.int64) - tl.load(kv_indptr + b).to(tl.int64)
+    _, _, nsplits = _split_bounds(n, 0, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    dv = tl.arange(0, BLOCK_DV)
+    # Rank-1 ([1]-shaped) running state so `_finish` can be shared with the 2-D kernels.
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, BLOCK_DV], tl.float32)
+    for s in range(nsplits):
+        lse = tl.load(mid_lse + b * stride_lb + h * stride_lh + s + tl.zeros([1], tl.int32))
+        o = tl.load(mid_o + b * stride_mb + h * stride_mh + s * stride_ms + dv[None, :],
+                    mask=dv[None, :] < DV, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        l = l * alpha + w
+        m = m_new
+    heads = h + tl.zeros([1], tl.int32)
+    o = _finish(acc, m, l, sinks, heads, heads >= 0, HAS_SINKS)
+    tl.store(out + b * stride_ob + h * stride_oh + dv[None, :], o.to(out.dtype.element_ty),
+             mask=dv[None, :] < DV)
+
+
+def num_kv_splits_for(
+    bs: int, num_heads: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
+    block_n: int = 64, max_splits: int = 64,
+) -> int:
+    """Host-side split count for one graph batch size (static inputs only, so it can be frozen
+    into a capture): one split once bs * kv-head programs fill the SMs (the stage-2 pass then
+    costs more than it saves), else about two waves, never splits shorter than 2 * block_n.
+    Pass `max_kv_len` = the window for SWA layers, the context limit for full layers."""
+    group = num_heads // num_kv_heads
+    programs = bs * num_kv_heads * triton.cdiv(group, min(64, max(16, triton.next_power_of_2(group))))
+    if programs >= num_sms:
+        return 1
+    return max(1, min(max_splits, triton.cdiv(2 * num_sms, programs), triton.cdiv(max_kv_len, 2 * block_n)))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [bs, H, Dk], device
+    k_buf: torch.Tensor,  # [slots, Hkv, Dk] the layer's pool, in the index list's space
+    v_buf: torch.Tensor,  # [slots, Hkv, Dv]
+    kv_indptr: torch.Tensor,  # [bs+1] int32/int64, device
+    kv_indices: torch.Tensor,  # [>= kv_indptr[bs]] int32/int64, device: slots, oldest first
+    out: torch.Tensor,  # [bs, H, Dv], written
+    scaling: float,
+    *,
+    logit_softcap: float = 0.0,  # > 0: logits -> cap * tanh(logits / cap) (after scaling)
+    sinks: torch.Tensor | None = None,  # [H] float: per-head sink logit, in the denominator only
+    num_kv_splits: int = 8,  # max splits per request: the grid's 3rd dim (fixed per graph)
+    min_split_len: int = 0,  # keys per split at least; > 0 with a fixed tile = deterministic splits
+    mid_o: torch.Tensor | None = None,  # [bs, H, num_kv_splits, Dv] float32 scratch (graph buffers)
+    mid_lse: torch.Tensor | None = None,  # [bs, H, num_kv_splits] float32 scratch
+    block_n: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """One query per request over its key list; the window lives entirely in the list.
+
+    Request b attends keys `kv_indices[kv_indptr[b]:kv_indptr[b+1]]` with GQA (query head h uses
+    kv head h // (H / Hkv)). A request with no keys gets 0 (no NaN, sinks or not); a padded row
+    (one key at the dummy slot 0) reads slot 0 and produces a finite value. Key count per split is
+    rounded up to `block_n`, so a short list uses fewer splits. No host sync: grid and scratch
+    depend only on `bs`, the head counts and `num_kv_splits`. Returns `out`.
+    """
+    bs, H, DK = q.shape
+    HKV, DV = k_buf.shape[1], v_buf.shape[2]
+    assert H % HKV == 0 and k_buf.shape[2] == DK and out.shape == (bs, H, DV)
+    assert q.stride(2) == 1 and k_buf.stride(2) == 1 and v_buf.stride(2) == 1 and out.stride(2) == 1
+    if bs == 0:
+        return out
+    group = H // HKV
+    block_n = block_n or (32 if max(DK, DV) > 256 else 64)
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(group)))
+    head_blocks = triton.cdiv(group, block_h)
+    if min_split_len % block_n:
+        raise ValueError(f"min_split_len {min_split_len} must be a multiple of block_n {block_n}")
+    num_kv_splits = max(1, num_kv_splits)
+    direct = num_kv_splits == 1
+    if not direct:
+        if mid_o is None:
+            mid_o = torch.empty(bs, H, num_kv_splits, DV, dtype=torch.float32, device=q.device)
+        if mid_lse is None:
+            mid_lse = torch.empty(bs, H, num_kv_splits, dtype=torch.float32, device=q.device)
+        assert mid_o.shape[2] >= num_kv_splits and mid_o.stride(3) == 1 and mid_lse.stride(2) == 1
+    else:
+        mid_o = mid_lse = out  # unused
+    upcast, prec = dot_flags(q.dtype)
+    sinks_arg = sinks if sinks is not None else q
+    kw = {}
+    if num_warps is not None:
+        kw["num_warps"] = num_warps
+    if num_stages is not None:
+        kw["num_stages"] = num_stages
+    _decode_stage1[(bs, HKV * head_blocks, num_kv_splits)](
+        q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks_arg,
+        scaling, logit_softcap if logit_softcap else 1.0,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0,
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_BLOCKS=head_blocks, DK=DK, DV=DV,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_block_d(DK), BLOCK_DV=_block_d(DV),
+        NUM_SPLITS=num_kv_splits, MIN_CHUNK=max(block_n, min_split_len),
+        DIRECT=direct, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
+        UPCAST=upcast, PREC=prec, **kw,
+    )
+    if not direct:
+        _decode_stage2[(bs, H)](
+            kv_indptr, out, mid_o, mid_lse, sinks_arg,
+            out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
+            DV=DV, BLOCK_DV=_block_d(DV), BLOCK_N=block_n,
+            NUM_SPLITS=num_kv_splits, MIN_CHUNK=max(block_n, min_split_len), HAS_SINKS=sinks is not None,
+        )
+    return out

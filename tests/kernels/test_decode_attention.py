@@ -1,0 +1,210 @@
+"""decode_attention (+ build_kv_indices) vs a dense float64 reference: window boundaries, SWA-space
+lists, GQA, soft-cap, sinks, Dk != Dv, non-power-of-2 dims, split-K, empty and padded requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "triton", reason="triton is not installed; kernel tests need it (CPU: TRITON_INTERPRET=1)"
+)
+
+from kernel_ref import attend_ref, make_pools, tolerances, window_mask
+
+from swaserve.kernels.decode_attention import decode_attention
+from swaserve.kernels.index_builders import build_kv_indices, kv_indices_capacity
+
+W = 8
+# Query positions W-1, W, W+1, 2W+3 (lens = position + 1), plus a 1-token request.
+LENS = [W, W + 1, W + 2, 2 * W + 4, 1]
+
+CASES = [
+    # H, Hkv, Dk, Dv, dtype, window, softcap, sinks, splits
+    pytest.param(4, 4, 64, 64, torch.float32, W, 0.0, False, 1, id="mha-swa-direct"),
+    pytest.param(4, 2, 48, 32, torch.float32, W, 0.0, True, 3, id="gqa2-swa-dk48dv32-sinks-split3"),
+    pytest.param(8, 2, 80, 80, torch.float32, None, 30.0, False, 4, id="gqa4-full-d80-softcap-split4"),
+    pytest.param(8, 2, 80, 80, torch.bfloat16, W, 30.0, True, 2, id="gqa4-swa-bf16-softcap-sinks"),
+    pytest.param(4, 2, 48, 32, torch.bfloat16, None, 0.0, False, 1, id="gqa2-full-bf16-direct"),
+    pytest.param(40, 1, 32, 16, torch.float32, W, 5.0, True, 2, id="gqa40-headblocks-swa"),
+]
+
+
+@pytest.mark.parametrize("H,Hkv,Dk,Dv,dtype,window,softcap,use_sinks,splits", CASES)
+def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, splits, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    bs = len(LENS)
+    swa = window is not None
+    # SWA layers: positions older than the window were evicted (unmapped, NaN in the pool), so any
+    # read outside the list's window poisons the output.
+    swa_from = [max(0, L - window) for L in LENS] if swa else None
+    pools = make_pools(LENS, Hkv, Dk, Dv, dtype, g, device, swa_from=swa_from)
+    k_buf, v_buf = (pools.k_swa, pools.v_swa) if swa else (pools.k_full, pools.v_full)
+    C = pools.req_to_token.shape[1]
+    kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=device)
+    kv_indices = torch.full((kv_indices_capacity(bs, C, window),), 10**6, dtype=torch.int32, device=device)
+    build_kv_indices(
+        pools.req_to_token,
+        pools.rows,
+        torch.tensor(LENS, dtype=torch.int32, device=device),
+        kv_indptr,
+        kv_indices,
+        window=window,
+        full_to_swa=pools.full_to_swa if swa else None,
+    )
+
+    q = torch.randn(bs, H, Dk, generator=g).to(dtype)
+    sinks = torch.randn(H, generator=g) * 2 if use_sinks else None
+    scaling = Dk**-0.5 * (4.0 if softcap else 1.0)  # bigger logits so the soft-cap matters
+    out = torch.full((bs, H, Dv), float("nan"), dtype=dtype, device=device)
+    kw = {}
+    if splits > 1:  # poisoned scratch: stage 2 must read only splits stage 1 wrote
+        kw["mid_o"] = torch.full((bs, H, splits, Dv), float("nan"), device=device)
+        kw["mid_lse"] = torch.full((bs, H, splits), float("nan"), device=device)
+    block_h = 16 if H // Hkv > 16 else None
+    decode_attention(
+        q.to(device),
+        k_buf,
+        v_buf,
+        kv_indptr,
+        kv_indices,
+        out,
+        scaling,
+        logit_softcap=softcap,
+        sinks=None if sinks is None else sinks.to(device),
+        num_kv_splits=splits,
+        block_n=16,
+        block_h=block_h,
+        **kw,
+    )
+    out = out.cpu()
+    assert not out.isnan().any(), f"output not fully written or NaN read (seed={seed})"
+    for b, L in enumerate(LENS):
+        pos = torch.arange(L)
+        vis = window_mask(torch.tensor([L - 1]), pos, window)
+        ref = attend_ref(q[b : b + 1], pools.k_true[b], pools.v_true[b], vis, scaling, softcap, sinks)
+        torch.testing.assert_close(
+            out[b : b + 1].double(),
+            ref,
+            **tolerances(dtype),
+            msg=lambda m, b=b, L=L: f"request {b} (len {L}) seed={seed}: {m}",
+        )
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_decode_empty_and_padded_rows(splits, use_sinks, device, seed):
+    """A request with 0 keys gives 0 (no NaN); a padded graph row (one key, dummy slot 0) gives the
+    finite attention over slot 0; a real request next to them is unaffected."""
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv, D = 4, 2, 32
+    pools = make_pools([13], Hkv, D, D, torch.float32, g, device, finite_dummy=True)
+    real = pools.req_to_token[pools.rows[0], :13].cpu()
+    kv_indptr = torch.tensor([0, 0, 1, 14, 14], dtype=torch.int64)  # empty, padded, real, empty
+    kv_indices = torch.cat(
+        [torch.zeros(1, dtype=torch.int32), real, torch.full((5,), 10**6, dtype=torch.int32)]
+    )
+    q = torch.randn(4, H, D, generator=g)
+    sinks = torch.randn(H, generator=g) if use_sinks else None
+    out = torch.full((4, H, D), float("nan"), device=device)
+    decode_attention(
+        q.to(device),
+        pools.k_full,
+        pools.v_full,
+        kv_indptr.to(device),
+        kv_indices.to(device),
+        out,
+        D**-0.5,
+        sinks=None if sinks is None else sinks.to(device),
+        num_kv_splits=splits,
+        block_n=16,
+    )
+    out = out.cpu().double()
+    assert not out.isnan().any()
+    assert (out[0] == 0).all() and (out[3] == 0).all(), "0-key requests must output 0"
+    k0, v0 = pools.k_full.cpu()[:1], pools.v_full.cpu()[:1]
+    one = torch.ones(1, 1, dtype=torch.bool)
+    torch.testing.assert_close(
+        out[1:2], attend_ref(q[1:2], k0, v0, one, D**-0.5, 0.0, sinks), atol=1e-4, rtol=1e-4
+    )
+    vis = torch.ones(1, 13, dtype=torch.bool)
+    ref = attend_ref(q[2:3], pools.k_true[0], pools.v_true[0], vis, D**-0.5, 0.0, sinks)
+    torch.testing.assert_close(out[2:3], ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_decode_fixed_split_tile_is_batch_invariant(device, seed):
+    """With min_split_len = a fixed tile, the reduction order depends only on the request's length:
+    bitwise-equal results whatever num_kv_splits (e.g. chosen per graph batch size) is."""
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv, D, L = 4, 1, 32, 70
+    pools = make_pools([L], Hkv, D, D, torch.float32, g, device)
+    idx = pools.req_to_token[pools.rows[0], :L].contiguous()
+    indptr = torch.tensor([0, L], dtype=torch.int32, device=device)
+    q = torch.randn(1, H, D, generator=g).to(device)
+    outs = []
+    for splits in (3, 5):
+        out = torch.full((1, H, D), float("nan"), device=device)
+        decode_attention(
+            q,
+            pools.k_full,
+            pools.v_full,
+            indptr,
+            idx,
+            out,
+            0.2,
+            num_kv_splits=splits,
+            block_n=16,
+            min_split_len=32,
+        )
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    ref = attend_ref(q.cpu(), pools.k_true[0], pools.v_true[0], torch.ones(1, L, dtype=torch.bool), 0.2)
+    torch.testing.assert_close(outs[0].double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "Dk,Dv,H,Hkv",
+    [(256, 256, 8, 4), (512, 512, 8, 1), (192, 128, 16, 4), (64, 64, 16, 2)],
+    ids=["gemma-d256", "gemma4-full-d512", "mimo-dk192-dv128", "gptoss-d64"],
+)
+def test_decode_real_head_dims_default_blocks(Dk, Dv, H, Hkv, device, seed):
+    """The production head dims with default block sizes and split count."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [70, 1, 130]
+    pools = make_pools(lens, Hkv, Dk, Dv, torch.bfloat16, g, device)
+    bs = len(lens)
+    kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=device)
+    kv_indices = torch.empty(sum(lens), dtype=torch.int32, device=device)
+    build_kv_indices(pools.req_to_token, pools.rows, torch.tensor(lens, device=device), kv_indptr, kv_indices)
+    q = torch.randn(bs, H, Dk, generator=g).to(torch.bfloat16)
+    sinks = torch.randn(H, generator=g)
+    out = torch.full((bs, H, Dv), float("nan"), dtype=torch.bfloat16, device=device)
+    decode_attention(
+        q.to(device), pools.k_full, pools.v_full, kv_indptr, kv_indices, out, Dk**-0.5, sinks=sinks.to(device)
+    )
+    out = out.cpu()
+    for b, L in enumerate(lens):
+        ref = attend_ref(
+            q[b : b + 1],
+            pools.k_true[b],
+            pools.v_true[b],
+            torch.ones(1, L, dtype=torch.bool),
+            Dk**-0.5,
+            0.0,
+            sinks,
+        )
+        torch.testing.assert_close(
+            out[b : b + 1].double(),
+            ref,
+            **tolerances(torch.bfloat16),
+            msg=lambda m, b=b: f"request {b} seed={seed}: {m}",
+        )
+
+
+def test_num_kv_splits_for():
+    from swaserve.kernels.decode_attention import num_kv_splits_for
+
+    assert num_kv_splits_for(64, 8, 4, 8192, 132) == 1  # enough programs: no stage 2
+    assert num_kv_splits_for(8, 64, 8, 8192, 132) == 5  # 64 programs: about two waves
+    assert num_kv_splits_for(1, 8, 4, 32768, 132) == 64  # capped by max_splits
+    assert num_kv_splits_for(1, 8, 4, 128, 132) == 1  # a short window is never split
