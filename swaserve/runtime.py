@@ -88,5 +88,10 @@ def build_runtime(
         allocator = TokenToKVPoolAllocator(plan.full_tokens)
         full_to_swa = None
     runner = ModelRunner(config, model, kv, table, full_to_swa, device, dtype, attention_backend=runner_cfg.attention_backend)
+    use_graphs = (device.type == "cuda" and not runner_cfg.disable_cuda_graph) or (
+        device.type == "cpu" and runner_cfg.enable_cpu_graph
+    )
+    if use_graphs:
+        runner.enable_decode_graphs(sched.max_running_requests)
     scheduler = Scheduler(sched, ctx, table, allocator, evictor)
     return Runtime(plan, kv, table, allocator, evictor, runner, scheduler)

@@ -64,9 +64,10 @@ class TorchNativeAttnBackend(AttentionBackend):
     # ---- metadata -------------------------------------------------------------------------------
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        swa_loc = None
-        if self.full_to_swa is not None:
+        swa_loc = batch.swa_out_cache_loc  # a graph runner's static buffer, translated per replay
+        if swa_loc is None and self.full_to_swa is not None:
             swa_loc = self.full_to_swa[batch.out_cache_loc].to(torch.int32)
+        if swa_loc is not None:
             live = self._live_tokens(batch)
             assert not bool(((swa_loc <= 0) & live).any()), "a new token's full slot has no SWA slot"
         meta = TorchNativeMetadata(keys={}, swa_out_cache_loc=swa_loc)

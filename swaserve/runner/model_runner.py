@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from swaserve.config import ModelConfig
     from swaserve.memory.req_to_token import ReqToTokenPool
     from swaserve.memory.swa import SWAKVPool
+    from swaserve.runner.decode_graph import DecodeGraphRunner
     from swaserve.runner.forward_batch import ForwardBatch
 
 # Every backend is constructed as cls(kv, req_to_token, full_to_swa, sliding_window=W).
@@ -87,10 +88,24 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             attention_backend or default_attention_backend(self.device), kv, req_to_token, full_to_swa, model_config.sliding_window
         )
+        self.graph_runner: DecodeGraphRunner | None = None
+
+    def enable_decode_graphs(self, max_bs: int) -> None:
+        """Capture decode for batch sizes up to max_bs: CUDA graphs on a GPU, torch.compile on CPU."""
+        if self.device.type == "cuda":
+            from swaserve.runner.cuda_graph import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self, max_bs)
+        else:
+            from swaserve.runner.cpu_graph import CpuGraphRunner
+
+            self.graph_runner = CpuGraphRunner(self, max_bs)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[batch_size, vocab]` float32 of each request's last new token."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)  # [num_tokens, hidden]

@@ -1,0 +1,183 @@
+"""TritonAttnBackend: device-built index lists (both index spaces) and the Triton kernels.
+
+Per step it builds at most two CSR key lists with `kernels.build_kv_indices`: full-context lists
+for layers in the full pool, and window lists — translated into SWA space when SWA layers live in
+their own pool — for sliding layers. No host sync; in graph mode the lists land in fixed buffers
+sized for the largest captured batch, so the builders can be recorded into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from swaserve.attention.base import AttentionBackend, AttentionSpec
+from swaserve.kernels import (
+    build_kv_indices,
+    decode_attention,
+    extend_attention,
+    kv_indices_capacity,
+    num_kv_splits_for,
+    store_kv,
+)
+
+if TYPE_CHECKING:
+    from swaserve.memory.req_to_token import ReqToTokenPool
+    from swaserve.memory.swa import SWAKVPool
+    from swaserve.runner.forward_batch import ForwardBatch
+
+
+@dataclass
+class KVList:
+    """One CSR key list per request, oldest key first."""
+
+    indptr: torch.Tensor  # [bs+1] int32, device
+    indices: torch.Tensor  # [capacity] int32, device: pool slots (full or SWA space)
+    start: torch.Tensor  # [bs] int32, device: position of each request's first listed key
+
+
+@dataclass
+class TritonMetadata:
+    full: KVList | None  # full-context lists (decode: 0..seq_len-1; extend: the whole prefix)
+    window: KVList | None  # window lists, in SWA space when SWA layers have their own pool
+    swa_out_cache_loc: torch.Tensor | None  # [num_tokens] int32, device
+    qo_indptr: torch.Tensor | None = None  # [bs+1] int32, device (extend)
+    prefix_lens: torch.Tensor | None = None  # [bs] int32, device (extend)
+    max_extend_len: int = 0
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Triton decode/extend attention over pool index lists.
+
+    Invariants: every list an SWA-pool layer reads is in SWA space (window lists translated by
+    the builder, new tokens written at `swa_out_cache_loc`); a decode window list holds the last
+    min(seq_len, W) positions, an extend prefix window list starts at max(0, prefix_len - W + 1).
+    """
+
+    def __init__(
+        self,
+        kv: SWAKVPool,
+        req_to_token: ReqToTokenPool,
+        full_to_swa: torch.Tensor | None,
+        sliding_window: int | None = None,
+    ):
+        super().__init__(kv, req_to_token, full_to_swa)
+        self.window = sliding_window
+        self.device = req_to_token.req_to_token.device
+        self._has_full = any(not kv.uses_swa_space(l) for l in range(kv_layer_count(kv)))
+        self._graph: dict[str, KVList] | None = None
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 8
+        )
+        self._splits: dict[tuple[int, bool, int, int], int] = {}
+
+    # ---- metadata ------------------------------------------------------------------------------
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._build(batch, static=None)
+
+    def init_graph_state(self, max_bs: int) -> None:
+        """Allocate fixed list buffers for decode graphs of up to `max_bs` requests."""
+        ctx = self.req_to_token.max_context
+        self._graph = {"full": self._alloc(max_bs, kv_indices_capacity(max_bs, ctx))}
+        if self.window is not None:
+            self._graph["window"] = self._alloc(max_bs, kv_indices_capacity(max_bs, ctx, self.window))
+
+    def init_forward_metadata_graph(self, batch: ForwardBatch) -> None:
+        """Like `init_forward_metadata`, into the graph buffers, reading only device tensors (so it
+        can be captured and replays against whatever the static inputs hold)."""
+        assert self._graph is not None and batch.is_decode, "call init_graph_state first; decode only"
+        self._build(batch, static=self._graph)
+
+    def _alloc(self, bs: int, capacity: int) -> KVList:
+        dev = self.device
+        return KVList(
+            torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+            torch.zeros(max(capacity, 1), dtype=torch.int32, device=dev),
+            torch.zeros(bs, dtype=torch.int32, device=dev),
+        )
+
+    def _build(self, batch: ForwardBatch, static: dict[str, KVList] | None) -> None:
+        bs = batch.batch_size
+        table = self.req_to_token.req_to_token
+        swa_loc = batch.swa_out_cache_loc
+        if swa_loc is None and self.full_to_swa is not None:
+            swa_loc = self.full_to_swa[batch.out_cache_loc]  # int32: once per forward
+        meta = TritonMetadata(None, None, swa_loc)
+        if batch.is_decode:
+            kv_lens, first_q = batch.seq_lens, None
+            full_cap = sum(batch.seq_lens_cpu) if static is None else 0
+        else:
+            assert batch.extend_prefix_lens_cpu is not None and batch.extend_seq_lens_cpu is not None
+            prefix = torch.tensor(batch.extend_prefix_lens_cpu, dtype=torch.int32)
+            ext = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32)
+            qo = torch.zeros(bs + 1, dtype=torch.int32)
+            qo[1:] = ext.cumsum(0)
+            meta.qo_indptr = qo.to(self.device, non_blocking=True)
+            meta.prefix_lens = prefix.to(self.device, non_blocking=True)
+            meta.max_extend_len = max(batch.extend_seq_lens_cpu)
+            kv_lens = first_q = meta.prefix_lens  # the earliest query of request b is at prefix_len_b
+            full_cap = sum(batch.extend_prefix_lens_cpu)
+
+        def lists(name: str, cap: int, window: int | None, table_map: torch.Tensor | None) -> KVList:
+            kl = static[name] if static is not None else self._alloc(bs, cap)
+            indptr = kl.indptr[: bs + 1]
+            start = kl.start[:bs]
+            build_kv_indices(table, batch.req_pool_indices, kv_lens, indptr, kl.indices, window=window,
+                             full_to_swa=table_map, first_query_pos=first_q, kv_start=start)
+            return KVList(indptr, kl.indices, start)
+
+        if self._has_full:
+            meta.full = lists("full", full_cap, None, None)
+        if self.window is not None:
+            win_cap = bs * self.window if static is None else 0
+            meta.window = lists("window", win_cap, self.window, self.full_to_swa)
+        batch.attn_metadata = meta
+
+    # ---- attention -----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, v_head_dim]
+        spec: AttentionSpec,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        meta: TritonMetadata = batch.attn_metadata
+        lid = spec.layer_id
+        in_swa = self.kv.uses_swa_space(lid)
+        k_buf, v_buf = self.kv.k_buffer(lid), self.kv.v_buffer(lid)
+        locs = meta.swa_out_cache_loc if in_swa else batch.out_cache_loc
+        assert locs is not None, f"layer {lid} lives in the SWA pool but no SWA write locations were built"
+        store_kv(k_buf, v_buf, locs, k, v)
+        windowed = spec.sliding_window is not None
+        kl = meta.window if windowed else meta.full
+        assert kl is not None, f"no key list for layer {lid}"
+        assert not in_swa or windowed, f"full-attention layer {lid} cannot read the SWA pool"
+        out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
+        softcap = spec.logit_softcap or 0.0
+        if batch.is_decode:
+            splits = self._num_splits(batch.batch_size, spec, windowed)
+            decode_attention(q, k_buf, v_buf, kl.indptr, kl.indices, out, spec.scaling,
+                             logit_softcap=softcap, sinks=sinks, num_kv_splits=splits)
+        else:
+            extend_attention(q, k, v, out, k_buf, v_buf, meta.qo_indptr, kl.indptr, kl.indices, meta.prefix_lens,
+                             spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
+                             logit_softcap=softcap, sinks=sinks, prefix_start=kl.start)
+        return out
+
+    def _num_splits(self, bs: int, spec: AttentionSpec, windowed: bool) -> int:
+        # Depends only on static shapes, so the value a graph was captured with stays valid.
+        key = (bs, windowed, spec.num_heads, spec.num_kv_heads)
+        if key not in self._splits:
+            max_len = self.window if windowed and self.window else self.req_to_token.max_context
+            self._splits[key] = num_kv_splits_for(bs, spec.num_heads, spec.num_kv_heads, max_len, self._num_sms)
+        return self._splits[key]
+
+
+def kv_layer_count(kv: SWAKVPool) -> int:
+    return kv.full.num_layers + (kv.swa.num_layers if kv.swa is not None else 0)

@@ -1,0 +1,62 @@
+"""CudaGraphRunner: decode captured as one CUDA graph per batch size, replayed over static buffers."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from swaserve.runner.decode_graph import DecodeGraphRunner
+
+if TYPE_CHECKING:
+    from swaserve.runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class CudaGraphRunner(DecodeGraphRunner):
+    """Captures metadata building (device index builders), the model and the logits for each batch
+    size, largest first, into one shared memory pool after two warm-ups.
+
+    What a graph reads is recomputed from the static buffers on every replay: the index lists are
+    rebuilt in-graph from `req_pool_indices`/`seq_lens`, and the SWA write locations are translated
+    from the live `out_cache_loc` into their static int32 buffer before each replay (padded rows 0).
+    Nothing batch-dependent is frozen into a capture.
+    """
+
+    def __init__(self, runner: ModelRunner, max_bs: int):
+        super().__init__(runner, max_bs)
+        if not hasattr(self.backend, "init_forward_metadata_graph"):
+            raise ValueError(f"{type(self.backend).__name__} cannot be captured in a CUDA graph; use triton")
+        self.backend.init_graph_state(self.sizes[-1])
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def _run_once(self, bs: int) -> torch.Tensor:
+        fb = self._static_batch(bs, [1] * bs)
+        self.backend.init_forward_metadata_graph(fb)
+        hidden = self.model(fb)  # [bs, hidden]: one token per request
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        stream = torch.cuda.Stream(self.runner.device)
+        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._run_once(bs)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._run_once(bs)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize(self.runner.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> torch.Tensor:
+        self.graphs[bs].replay()
+        return self.outputs[bs]
