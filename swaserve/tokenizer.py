@@ -1,0 +1,268 @@
+"""Tokenizer: text <-> ids, chat templates and stop ids over a HF fast tokenizer, built from an HF
+directory or from GGUF metadata (converted once, then cached as tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+_CACHE_VERSION = "1"  # bump when the cached files' meaning changes
+_TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")  # stop a turn if the template uses them
+
+# Gemma's chat format (as in Gemma 3's own template): a system message is folded into the first user
+# turn, "assistant" is spelled "model", and the template itself writes <bos>.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    # Tokenizer construction logs harmless notices (e.g. "deriving merges"); a normal start prints nothing.
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+class Tokenizer:
+    """Encodes prompts and decodes outputs for one model; owns the HF fast tokenizer (`hf`).
+
+    Invariants: `encode(text)` adds the model's special prefix/suffix (e.g. `<bos>`) exactly once, even
+    when `text` already starts with it (chat templates that write `<bos>` themselves);
+    `eos_token_ids` is non-empty when the model defines an EOS and lists every id that ends a turn.
+    """
+
+    def __init__(
+        self,
+        hf: PreTrainedTokenizerBase,
+        chat_template: str | None,
+        extra_eos_ids: list[int] | tuple[int, ...] = (),
+    ):
+        self.hf = hf
+        self.chat_template = chat_template
+        probe = "a"
+        bare = hf.encode(probe, add_special_tokens=False)
+        full = hf.encode(probe, add_special_tokens=True)
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), 0)
+        self._prefix: list[int] = full[:at]  # e.g. [bos]
+        self._suffix: list[int] = full[at + len(bare) :]  # e.g. [] or [eos]
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.vocab_size: int = len(hf)
+        eos = [hf.eos_token_id] if hf.eos_token_id is not None else []
+        template = chat_template or ""
+        turn_ends = [i for t in _TURN_ENDS if t in template and (i := _token_id(hf, t)) is not None]
+        self.eos_token_ids: list[int] = list(dict.fromkeys([*eos, *extra_eos_ids, *turn_ends]))
+
+    # -- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From a local HF checkpoint directory (tokenizer.json / tokenizer_config.json)."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"tokenizer directory not found: {path}")
+        with _quiet_transformers():
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        extra: list[int] = []
+        gen = path / "generation_config.json"
+        if gen.is_file():
+            ids = json.loads(gen.read_text()).get("eos_token_id")
+            extra = [ids] if isinstance(ids, int) else list(ids or [])
+        template = hf.chat_template if isinstance(hf.chat_template, str) else None
+        return cls(hf, template or _builtin_template(hf), extra)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From a GGUF file's `tokenizer.*` metadata; the converted tokenizer is cached by content."""
+        from swaserve.loader.default_model import cache_dir
+        from swaserve.loader.gguf import read_gguf_header
+
+        keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+        meta = read_gguf_header(path, string_arrays=keys).metadata
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ValueError(f"{path} has no tokenizer in its metadata")
+        key = _content_key(meta)
+        entry = cache_dir() / "tokenizers" / key
+        if not (entry / "swaserve.json").is_file():
+            shutil.rmtree(entry, ignore_errors=True)  # a partial entry left by hand; rebuild it
+            _convert_into(meta, entry)
+        info = json.loads((entry / "swaserve.json").read_text())
+        with _quiet_transformers():
+            hf = PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"), **info["hf_kwargs"])
+        template = info["chat_template"] or _builtin_template(hf)
+        return cls(hf, template, info["extra_eos_ids"])
+
+    # -- use -------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            # TRY004 waived here and in _check_message: bad user input is a ValueError (HTTP 400)
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")  # noqa: TRY004
+        ids: list[int] = self.hf.encode(text, add_special_tokens=False)
+        if not add_special_tokens:
+            return ids
+        pre = [] if ids[: len(self._prefix)] == self._prefix else self._prefix
+        return [*pre, *ids, *self._suffix]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
+            raise ValueError("token ids to decode must be a list of ints")
+        if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render a conversation to the prompt text (which may already start with <bos>; `encode`
+        does not add a second one). Content may be a str or a list of {"type": "text"} parts."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        conversation = [_check_message(m, i) for i, m in enumerate(_check_list(messages))]
+        from jinja2 import TemplateError
+
+        try:
+            text = self.hf.apply_chat_template(
+                conversation, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )  # fmt: skip
+        except TemplateError as e:
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+        return str(text)
+
+
+def _token_id(hf: PreTrainedTokenizerBase, token: str) -> int | None:
+    # The fast backend's lookup: get_vocab() builds a 262k-entry dict just to test membership.
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.token_to_id(token)  # type: ignore[no-any-return]
+    return hf.get_vocab().get(token)  # a slow (sentencepiece) tokenizer from an HF directory
+
+
+def _builtin_template(hf: PreTrainedTokenizerBase) -> str | None:
+    # Only Gemma vocabularies have the turn markers the built-in template writes.
+    return GEMMA_CHAT_TEMPLATE if _token_id(hf, "<start_of_turn>") is not None else None
+
+
+def _check_list(messages: Any) -> list[Any]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    return messages
+
+
+def _check_message(m: Any, i: int) -> dict[str, str]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"messages[{i}] must be a dict with a string 'role'")  # noqa: TRY004
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI content parts: only text is supported
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise ValueError(f"messages[{i}].content parts must all be {{'type': 'text', 'text': str}}")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of text parts")  # noqa: TRY004
+    return {"role": m["role"], "content": content}
+
+
+# -- GGUF conversion (once per distinct tokenizer) --------------------------------------------------
+
+
+def _content_key(meta: dict[str, Any]) -> str:
+    # Keyed on the tokenizer's content, not the file's path or mtime: copies share one entry.
+    digest = hashlib.sha256(_CACHE_VERSION.encode())
+    for k in sorted(k for k in meta if k.startswith("tokenizer.")):
+        v = meta[k]
+        digest.update(k.encode())
+        digest.update(
+            v.tobytes()
+            if hasattr(v, "tobytes")
+            else "\x00".join(v).encode()
+            if isinstance(v, list)
+            else repr(v).encode()
+        )
+    return digest.hexdigest()[:24]
+
+
+def _convert_into(meta: dict[str, Any], entry: Path) -> None:
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+    except ImportError:  # transformers < 5
+        from transformers.integrations.ggml import (  # type: ignore[attr-defined,no-redef]
+            convert_gguf_tokenizer,
+        )
+
+    def g(key: str) -> Any:
+        return meta.get(f"tokenizer.ggml.{key}")
+
+    tokens: list[str] = g("tokens")
+    kind = g("model")
+    tok_dict: dict[str, Any] = {
+        "tokenizer_type": kind,
+        "pre_tokenizer_type": g("pre"),
+        "tokens": tokens,
+        "scores": g("scores").tolist() if g("scores") is not None else None,
+        "token_type": g("token_type").tolist() if g("token_type") is not None else None,
+    }
+    if g("merges") is not None:
+        tok_dict["merges"] = g("merges")
+    if g("add_space_prefix") is not None:
+        tok_dict["add_prefix_space"] = bool(g("add_space_prefix"))
+    tok_dict = {k: v for k, v in tok_dict.items() if v is not None}
+    with _quiet_transformers():
+        backend, _ = convert_gguf_tokenizer(meta["general.architecture"], tok_dict)
+
+    def name(key: str) -> str | None:
+        token_id = g(key)
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    # llama.cpp adds BOS to sentencepiece ("llama") vocabularies unless the file says otherwise.
+    add_bos = g("add_bos_token") if g("add_bos_token") is not None else kind == "llama"
+    hf_kwargs = {
+        "bos_token": name("bos_token_id"), "eos_token": name("eos_token_id"),
+        "unk_token": name("unknown_token_id"), "pad_token": name("padding_token_id"),
+        "add_bos_token": bool(add_bos), "add_eos_token": bool(g("add_eos_token")),
+    }  # fmt: skip
+    info = {
+        "hf_kwargs": {k: v for k, v in hf_kwargs.items() if v is not None},
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "extra_eos_ids": [int(g(k)) for k in ("eot_token_id", "eom_token_id") if g(k) is not None],
+    }
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    backend.save(str(tmp / "tokenizer.json"))
+    (tmp / "swaserve.json").write_text(json.dumps(info))
+    try:
+        os.replace(tmp, entry)  # atomic: readers see the whole entry or none
+    except OSError:  # another process finished first; its entry is identical
+        shutil.rmtree(tmp, ignore_errors=True)
