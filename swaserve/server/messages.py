@@ -1,0 +1,35 @@
+"""Typed messages crossing the event loop <-> engine thread boundary: `SubRequest` in, `Update` out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from swaserve.server.protocol import APIError
+
+
+@dataclass(slots=True)
+class SubRequest:
+    """One engine request: a prompt (text, token ids, or chat messages) and SamplingParams kwargs."""
+
+    request_id: str
+    index: int  # choice index in the HTTP response
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # max_tokens None: the rest of the context
+    token_strings: bool = False  # also send the text of every token id in logprobs
+
+
+@dataclass(slots=True)
+class Update:
+    """Engine thread -> event loop, for one sub-request: everything new since its previous update."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    token_strs: dict[int, str] | None = None
+    finish_reason: str | None = None
+    accepted: bool = False  # the first update of an added request, carrying `prompt_tokens`
+    prompt_tokens: int = 0
+    error: APIError | None = None  # add refused, engine failure or shutdown; ends the sub-request

@@ -1,0 +1,133 @@
+"""Server metrics: latency histograms and request counters, written as Prometheus text (format 0.0.4).
+
+The engine thread observes; the event loop renders. Engine gauges and totals come from the snapshot
+the engine thread publishes after every step, so rendering never calls into the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+# (snapshot key, metric name, type, help); `pool` keys become one metric with a label per pool.
+_ENGINE_GAUGES = (
+    ("running", "swaserve_requests_running", "gauge", "Requests the scheduler is running."),
+    ("waiting", "swaserve_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+    ("prompt_tokens_total", "swaserve_prompt_tokens_total", "counter", "Prompt tokens prefilled."),
+    ("generation_tokens_total", "swaserve_generation_tokens_total", "counter", "Tokens generated."),
+    ("retractions_total", "swaserve_retractions_total", "counter",
+     "Requests retracted (freed and re-queued) when KV memory ran out."),
+)
+_POOL_GAUGES = (
+    ("used", "swaserve_kv_used_tokens", "KV slots in use, per pool."),
+    ("total", "swaserve_kv_total_tokens", "KV slots in the pool, per pool."),
+)
+
+
+class Histogram:
+    """A cumulative-bucket histogram. Invariant: `counts[i]` = observations <= `bounds[i]` (+Inf last)."""
+
+    def __init__(self, name: str, help: str, bounds: Sequence[float]):
+        self.name = name
+        self.help = help
+        self.bounds = tuple(bounds)
+        self._counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; last is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()  # observe (engine thread) vs render (event loop)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        if not math.isfinite(value):
+            return
+        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        with self._lock:
+            self._counts[i] += times
+            self._sum += value * times
+
+    def render(self) -> list[str]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, count in zip((*self.bounds, math.inf), counts):
+            cumulative += count
+            le = "+Inf" if bound == math.inf else _num(bound)
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
+        lines += [f"{self.name}_sum {_num(total)}", f"{self.name}_count {cumulative}"]
+        return lines
+
+
+class ServerMetrics:
+    """Everything /metrics shows that the engine itself does not count."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(
+            "swaserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "swaserve_inter_token_latency_seconds", "Time between consecutive generated tokens.", ITL_BUCKETS
+        )
+        self.e2e = Histogram(
+            "swaserve_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS
+        )
+        self._lock = threading.Lock()
+        self._finished: dict[str, int] = {}  # finish reason -> count
+        self._aborted = 0
+        self._rejected = 0
+
+    def count_finished(self, reason: str) -> None:
+        with self._lock:
+            self._finished[reason] = self._finished.get(reason, 0) + 1
+
+    def count_aborted(self) -> None:
+        with self._lock:
+            self._aborted += 1
+
+    def count_rejected(self) -> None:
+        with self._lock:
+            self._rejected += 1
+
+    def render(self, snapshot: Mapping[str, int | float], model_name: str) -> str:
+        lines: list[str] = [
+            "# HELP swaserve_model_info The model being served.",
+            "# TYPE swaserve_model_info gauge",
+            f'swaserve_model_info{{model="{_label(model_name)}"}} 1',
+        ]
+        for suffix, name, help in _POOL_GAUGES:
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
+            for pool in ("full", "swa"):
+                lines.append(f'{name}{{pool="{pool}"}} {_num(snapshot.get(f"{pool}_tokens_{suffix}", 0))}')
+        for key, name, kind, help in _ENGINE_GAUGES:
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_num(snapshot.get(key, 0))}"]
+        with self._lock:
+            finished, aborted, rejected = dict(self._finished), self._aborted, self._rejected
+        name = "swaserve_requests_finished_total"
+        lines += [f"# HELP {name} Requests finished, by finish reason.", f"# TYPE {name} counter"]
+        for reason in sorted({"stop", "length", *finished}):
+            lines.append(f'{name}{{finish_reason="{_label(reason)}"}} {finished.get(reason, 0)}')
+        lines += [
+            "# HELP swaserve_requests_aborted_total Requests aborted (client gone, or shutdown).",
+            "# TYPE swaserve_requests_aborted_total counter",
+            f"swaserve_requests_aborted_total {aborted}",
+            "# HELP swaserve_requests_rejected_total Requests the engine refused (bad input).",
+            "# TYPE swaserve_requests_rejected_total counter",
+            f"swaserve_requests_rejected_total {rejected}",
+        ]
+        for hist in (self.ttft, self.itl, self.e2e):
+            lines += hist.render()
+        return "\n".join(lines) + "\n"
+
+
+def _num(value: float) -> str:
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,287 @@
+"""OpenAI wire schemas the server accepts (completions, chat), and the OpenAI-style error body.
+
+Validation here is shape and range only; whatever needs the tokenizer or the context length (prompt
+too long, token ids outside the vocabulary) is checked where the tokenizer lives, in the engine thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 128  # prompts x n in one request
+MAX_STOP = 16  # OpenAI allows 4; extra room costs nothing
+MAX_LOGPROBS = 20
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error"}
+
+
+class APIError(Exception):
+    """An error answered to the client as `{"error": {message, type, param, code}}` with `status`."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status) or (
+            "server_error" if status >= 500 else "invalid_request_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A pydantic error as a 400 naming the offending field (and how many other fields are wrong)."""
+    errors = exc.errors(include_url=False)
+    if errors[0]["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON body: {errors[0]['msg']}", code="invalid_json")
+    # Our own validators' messages say the most; among a union's branch errors, prefer them.
+    first = next((e for e in errors if e["type"] == "value_error"), errors[0])
+    loc = _field_path(first["loc"])
+    param = ".".join(loc) or None
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "model_type" and not loc:
+        msg = "request body must be a JSON object"
+    text = f"{param}: {msg}" if param else msg
+    if "input" in first and first["type"] not in ("missing", "model_type", "value_error") and param:
+        text += f" (got {_short(first['input'])})"
+    others = {".".join(_field_path(e["loc"])) for e in errors} - {param or ""}
+    if others:
+        text += f" (and {len(others)} more invalid field{'s' if len(others) > 1 else ''})"
+    return APIError(400, text, param=param, code="invalid_value")
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple[int | str, ...]) -> list[str]:
+    # Drop pydantic's union-branch labels ("str", "list[ContentPart]", "constrained-int") from the path.
+    return [str(p) for p in loc
+            if isinstance(p, int) or not ("[" in p or "-" in p or p in _UNION_TAGS)]
+
+
+def _short(value: Any) -> str:
+    s = repr(value)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+class _Strict(BaseModel):
+    # strict: "1" is not a number and true is not an int; NaN/inf are rejected outright.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    """`stream_options`: with include_usage, a last chunk (no choices) carries the usage."""
+
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat; every optional field also accepts an explicit null."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63 - MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions, with vLLM's names.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    # Accepted by OpenAI but not implemented here: rejected rather than silently ignored.
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is None:
+            return None
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, Any] | None) -> None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+
+    def sampling_kwargs(self, seed_offset: int = 0) -> dict[str, Any]:
+        """SamplingParams keyword arguments (without max_tokens / logprobs, which differ by endpoint)."""
+        kw: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": self.min_p or 0.0,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "seed": None if self.seed is None else self.seed + seed_offset,
+            "ignore_eos": bool(self.ignore_eos),
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+        }
+        return kw
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. After validation `prompt` is a non-empty list of str / token-id lists."""
+
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below
+    max_tokens: int | None = Field(None, ge=1)  # None: OpenAI's default of 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> list[str | list[int]]:
+        return _normalise_prompt(v)
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1, self.n):
+            raise ValueError("best_of is not supported")
+        if len(self.prompt) * self.num_choices > MAX_CHOICES:
+            raise ValueError(f"prompts x n must be at most {MAX_CHOICES}")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return self.prompt  # type: ignore[no-any-return]  # normalised by the validator
+
+
+def _is_token_list(v: Any) -> bool:
+    return isinstance(v, list) and all(type(t) is int for t in v)
+
+
+def _normalise_prompt(v: Any) -> list[str | list[int]]:
+    shape = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    if v is None:
+        raise ValueError("prompt is required")
+    if isinstance(v, str):
+        prompts: list[Any] = [v]
+    elif _is_token_list(v) and v:
+        prompts = [v]
+    elif isinstance(v, list) and v and all(isinstance(p, str) or _is_token_list(p) for p in v):
+        prompts = v
+    elif isinstance(v, list) and not v:
+        raise ValueError("prompt must not be empty")
+    else:
+        raise ValueError(shape)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty" if len(prompts) > 1 else "prompt must not be empty")
+        if isinstance(p, list) and min(p) < 0:
+            raise ValueError(f"token ids must be non-negative, got {min(p)}")
+    if len(prompts) > MAX_CHOICES:
+        raise ValueError(f"at most {MAX_CHOICES} prompts per request, got {len(prompts)}")
+    return prompts
+
+
+class ContentPart(_Strict):
+    """One part of a message's content; only {"type": "text", "text": ...} is supported."""
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        return self
+
+
+class ChatMessage(_Strict):
+    """A chat message; the role is one of CHAT_ROLES and only assistant messages may omit content."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            raise ValueError(f"unknown role {v!r}; supported roles: {', '.join(CHAT_ROLES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for {self.role} messages")
+        return self
+
+    def as_template_dict(self) -> dict[str, str]:
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "".join(p.text or "" for p in content)
+        # Most chat templates know only system/user/assistant; "developer" is OpenAI's new system.
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions. No max_tokens means: as many as the context leaves."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens, as in OpenAI
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_options(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools or self.functions:
+            raise ValueError("tools / function calling are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Endpoint = Literal["completion", "chat"]

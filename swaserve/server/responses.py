@@ -1,0 +1,172 @@
+"""OpenAI response bodies and SSE chunks (completions and chat), built from the engine's `Update`s."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+from swaserve.server.generation import Generation
+from swaserve.server.messages import Update
+from swaserve.server.protocol import APIError
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI-compatible servers clamp like this
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _lp(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+def merge(batch: list[Update]) -> list[Update]:
+    """Fold several updates of one choice (a consumer that fell behind) into one, in arrival order."""
+    merged: dict[int, Update] = {}
+    for upd in batch:
+        prev = merged.get(upd.index)
+        if prev is None:
+            merged[upd.index] = Update(
+                upd.index, upd.text, list(upd.token_ids),
+                None if upd.logprobs is None else list(upd.logprobs),
+                None if upd.token_strs is None else dict(upd.token_strs), upd.finish_reason,
+            )
+            continue
+        prev.text += upd.text
+        prev.token_ids += upd.token_ids
+        if upd.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + upd.logprobs
+        if upd.token_strs is not None:
+            prev.token_strs = {**(prev.token_strs or {}), **upd.token_strs}
+        prev.finish_reason = upd.finish_reason or prev.finish_reason
+    return list(merged.values())
+
+
+class CompletionLogprobs:
+    """Legacy completions logprobs of one choice: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self) -> None:
+        self.offset = 0  # characters of token text so far, for text_offset
+
+    def render(self, upd: Update) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        strs = upd.token_strs or {}
+        for tid, entry in zip(upd.token_ids, upd.logprobs or []):
+            text = strs.get(tid, "")
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_lp(entry.get(tid)))
+            ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+            out["top_logprobs"].append({strs.get(t, ""): _lp(v) for t, v in ranked})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def chat_logprobs(upd: Update, top: int) -> list[dict[str, Any]]:
+    strs = upd.token_strs or {}
+    content = []
+    for tid, entry in zip(upd.token_ids, upd.logprobs or []):
+        text = strs.get(tid, "")
+        ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top]
+        content.append({
+            "token": text, "logprob": _lp(entry.get(tid)), "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": strs.get(t, ""), "logprob": _lp(v), "bytes": list(strs.get(t, "").encode("utf-8"))}
+                for t, v in ranked
+            ],
+        })
+    return content
+
+
+class Choices:
+    """Accumulates every choice of one request; renders the non-streaming body and the usage."""
+
+    def __init__(self, num_choices: int, choices_per_prompt: int, chat: bool, logprobs: int | None):
+        self.chat = chat
+        self.logprobs = logprobs
+        self.per_prompt = choices_per_prompt
+        self.text = [""] * num_choices
+        self.tokens = [0] * num_choices
+        self.finish: list[str | None] = [None] * num_choices
+        self.lp_completion = [CompletionLogprobs() for _ in range(num_choices)]
+        self.lp: list[Any] = [
+            [] if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for _ in range(num_choices)
+        ]
+
+    def add(self, upd: Update) -> None:
+        i = upd.index
+        self.text[i] += upd.text
+        self.tokens[i] += len(upd.token_ids)
+        self.finish[i] = upd.finish_reason or self.finish[i]
+        if self.logprobs is not None and upd.logprobs is not None:
+            if self.chat:
+                self.lp[i] += chat_logprobs(upd, self.logprobs)
+            else:
+                for key, values in self.lp_completion[i].render(upd).items():
+                    self.lp[i][key] += values
+
+    def usage(self, prompt_tokens: dict[int, int]) -> dict[str, int]:
+        # The prompt is counted once per prompt, not once per choice (as OpenAI does for n > 1).
+        prompt = sum(prompt_tokens.get(i, 0) for i in range(0, len(self.text), self.per_prompt))
+        completion = sum(self.tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def body(self, head: dict[str, Any], prompt_tokens: dict[int, int]) -> dict[str, Any]:
+        choices = []
+        for i, text in enumerate(self.text):
+            lp = None if self.logprobs is None else ({"content": self.lp[i]} if self.chat else self.lp[i])
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": self.finish[i]})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i]})
+        return {**head, "choices": choices, "usage": self.usage(prompt_tokens)}
+
+
+async def stream_chunks(
+    gen: Generation, head: dict[str, Any], choices: Choices, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE body: (chat: a role chunk per choice), one chunk per choice update, usage, [DONE]."""
+    chat = choices.chat
+    usage_field = {"usage": None} if include_usage else {}
+    if chat:
+        for i in range(len(choices.text)):
+            delta = {"role": "assistant", "content": ""}
+            yield sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
+                                             "finish_reason": None}], **usage_field})
+    try:
+        async for batch in gen.updates():
+            for upd in merge(batch):
+                choices.tokens[upd.index] += len(upd.token_ids)
+                lp: Any = None
+                if choices.logprobs is not None and upd.logprobs:
+                    lp = ({"content": chat_logprobs(upd, choices.logprobs)} if chat
+                          else choices.lp_completion[upd.index].render(upd))
+                if not (upd.text or upd.finish_reason or lp):
+                    continue
+                if chat:
+                    delta = {"content": upd.text} if upd.text or lp else {}
+                    choice = {"index": upd.index, "delta": delta, "logprobs": lp, "finish_reason": upd.finish_reason}
+                else:
+                    choice = {"index": upd.index, "text": upd.text, "logprobs": lp,
+                              "finish_reason": upd.finish_reason}
+                yield sse({**head, "choices": [choice], **usage_field})
+    except APIError as e:
+        yield sse(e.body())
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": choices.usage(gen.prompt_tokens)})
+    yield SSE_DONE

@@ -1,0 +1,69 @@
+"""A subset of the server tests on the real engine (embedded Gemma 3 270M, CPU, small max_tokens)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from test_server_load import make_workload, run_load
+
+
+def test_real_completion_stream_matches(real_server):
+    c = real_server.client()
+    kw = {"model": real_server.model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    whole = c.completions.create(logprobs=2, **kw)
+    assert whole.usage.completion_tokens == len(whole.choices[0].logprobs.tokens) <= 8
+    assert whole.usage.prompt_tokens > 3 and whole.choices[0].text
+    assert "".join(whole.choices[0].logprobs.tokens) == whole.choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw))
+    assert streamed == whole.choices[0].text
+    ids = c.completions.create(**{**kw, "prompt": [2, 818, 5279, 529, 7001, 563]})  # token-id prompt
+    assert ids.usage.prompt_tokens == 6
+
+
+def test_real_chat(real_server):
+    c = real_server.client()
+    msgs = [{"role": "user", "content": "Say hello."}]
+    r = c.chat.completions.create(model=real_server.model, messages=msgs, max_tokens=6, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 6
+    chunks = list(c.chat.completions.create(model=real_server.model, messages=msgs, max_tokens=6, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+
+
+def test_real_bad_inputs(real_server):
+    base = real_server.base_url
+    r = httpx.post(base + "/completions", json={"prompt": "x " * 600, "max_tokens": 4})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    r = httpx.post(base + "/completions", json={"prompt": [1, 2, 10**9]})
+    assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    r = httpx.post(base + "/completions", json={"prompt": "x", "top_k": 0})
+    assert r.status_code == 400 and "top_k" in r.json()["error"]["message"]
+
+
+def test_real_stream_disconnect_frees_memory(real_server):
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", real_server.base_url + "/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+    t0 = time.monotonic()
+    m = real_server.wait_idle(timeout=30)
+    assert m['swaserve_kv_used_tokens{pool="full"}'] == 0 and m['swaserve_kv_used_tokens{pool="swa"}'] == 0
+    assert time.monotonic() - t0 < 20
+
+
+def test_real_nonstream_disconnect_frees_memory(real_server):
+    body = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    aborted = real_server.metrics()["swaserve_requests_aborted_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(real_server.base_url + "/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    m = real_server.wait_idle(timeout=30)
+    assert m['swaserve_kv_used_tokens{pool="full"}'] == 0 and m['swaserve_kv_used_tokens{pool="swa"}'] == 0
+    assert m["swaserve_requests_aborted_total"] == aborted + 1
+
+
+def test_real_load_200_at_concurrency_128(real_server):
+    run_load(real_server, make_workload(24, 6, seed=3), 200, 128, timeout=240)
