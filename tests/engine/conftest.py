@@ -25,8 +25,3 @@ def long_ids(llm) -> list[int]:
     ids = llm.tokenizer.encode(TEXT * 60)
     assert len(ids) >= 3000
     return ids[:3000]
-
-
-def prompt_of(long_ids: list[int], n: int, shift: int = 0) -> list[int]:
-    """An n-token prompt: BOS, then prose starting `shift` tokens in (distinct prompts per shift)."""
-    return [long_ids[0]] + long_ids[1 + shift : n + shift]

@@ -9,7 +9,7 @@ import torch
 
 from swaserve import SamplingParams
 
-from .conftest import prompt_of
+from engine_prompts import prompt_of
 
 NEW_TOKENS = 32
 LOGPROB_TOL = 2e-3  # max |logprob diff| over the top-20 tokens of the first step, fp32

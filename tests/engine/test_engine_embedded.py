@@ -7,7 +7,7 @@ import pytest
 
 from swaserve import SamplingParams
 
-from .conftest import prompt_of
+from engine_prompts import prompt_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
