@@ -33,7 +33,7 @@ def hf_model():
 def test_greedy_and_logprobs_match_hf(llm, long_ids, hf_model):
     window = llm.engine.model_config.sliding_window
     assert window == 512
-    lengths = [(7, 0), (100, 3), (window - 1, 0), (window, 1), (window + 1, 2), (640, 5), (700, 9), (1100, 13)]
+    lengths = [(7, 0), (100, 3), (window - 1, 0), (window, 1), (window + 1, 2), (640, 5), (700, 9), (900, 13)]
     prompts = [prompt_of(long_ids, n, s) for n, s in lengths]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=20)
     ours = llm.generate(prompts, params, use_tqdm=False)  # all eight in one batch
@@ -41,9 +41,10 @@ def test_greedy_and_logprobs_match_hf(llm, long_ids, hf_model):
         ids = torch.tensor([p])
         with torch.inference_mode():
             ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                    min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-            logits = hf_model(ids).logits[0, -1].float()
-        ref_tokens = ref[0, len(p):].tolist()
+                                    min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                    output_logits=True, return_dict_in_generate=True)
+        logits = ref.logits[0][0].float()  # the first step's logits: last prompt position
+        ref_tokens = ref.sequences[0, len(p):].tolist()
         got = out.outputs[0].token_ids
         assert got == ref_tokens, f"prompt of {len(p)} tokens diverges at step {_first_diff(got, ref_tokens)}"
         ref_lp = torch.log_softmax(logits, -1)
