@@ -12,6 +12,7 @@ import torch
 
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
+from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, RequestOutput, SamplingParams
 from swaserve.runner.sampler import Sampler, SamplingBatch
 from swaserve.scheduler.req import Req, ReqStatus
@@ -62,13 +63,17 @@ class Engine:
     cumulative outputs of every request that got a new token.
     """
 
-    def __init__(self, model: str | None = None, device: Any = None, dtype: Any = None, **engine_options: Any):
+    def __init__(self, model: str | LoadedModel | None = None, device: Any = None, dtype: Any = None,
+                 **engine_options: Any):
+        """`model`: None (embedded Gemma 3 270M), a GGUF file or HF directory path, or an already
+        built `LoadedModel` (benchmarks with random weights; its tokenizer may be None, and then
+        prompts must be token ids)."""
         from swaserve.loader import load_model
         from swaserve.runtime import build_runtime
 
         cache_cfg, sched_cfg, runner_cfg = split_engine_options(engine_options)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
-        loaded = load_model(model, self.device, self.dtype)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, self.device, self.dtype)
         cap = sched_cfg.max_context or (CPU_DEFAULT_MAX_CONTEXT if self.device.type == "cpu" else None)
         config = loaded.config
         if cap is not None:
@@ -76,12 +81,14 @@ class Engine:
         self.model_config: ModelConfig = config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(config.eos_token_ids)
+        tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
         rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg)
         self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
+        self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last step
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -96,7 +103,7 @@ class Engine:
         self.scheduler.check_fits(len(ids), params.max_tokens)
         group = _Group(text, ids)
         for i in range(params.n):
-            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop) if self.tokenizer else None
             group.reqs.append(Req(f"{request_id}#{i}", request_id, i, len(ids), list(ids), params, 0, self.eos_ids, detok))
         for r in group.reqs:
             self.scheduler.add(r)
@@ -107,6 +114,8 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
@@ -130,7 +139,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
+            self.last_step = None
             return []
+        self.last_step = (batch.mode.value, len(batch.reqs), batch.num_tokens)
         logits = self.runner.forward(batch.to_forward_batch(self.device))  # [bs, vocab] float32
         idx = batch.sample_indices()
         tokens: list[int] = []
@@ -155,7 +166,7 @@ class Engine:
         self.stats.generation_tokens_total += len(progressed)
         self.stats.retractions_total = self.scheduler.retractions_total
         for r in progressed:
-            if r.finish_reason is not None and not r.detok.stopped:
+            if r.finish_reason is not None and r.detok is not None and not r.detok.stopped:
                 r.detok.flush()
         return self._outputs({r.group_id for r in progressed})
 
@@ -175,7 +186,7 @@ class Engine:
         comps = [
             CompletionOutput(
                 index=r.index,
-                text=r.detok.text,
+                text=r.detok.text if r.detok is not None else "",
                 token_ids=list(r.output_ids),
                 logprobs=list(r.output_logprobs) if r.output_logprobs is not None else None,
                 finish_reason=r.finish_reason,  # type: ignore[arg-type]

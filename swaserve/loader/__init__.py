@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class LoadedModel:
     config: ModelConfig
     model: nn.Module
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None for random-weight benchmark models: prompts are token ids
     name: str  # served model name
 
 

@@ -1,0 +1,93 @@
+"""Fixed-batch decode sweep on random-weight Gemma 3 shapes: step time, tok/s and the fraction of the
+HBM roofline (weights + K/V bytes one step must read ÷ the copy bandwidth measured first).
+
+    python benchmarks/decode.py [--shapes 1b,4b] [--batch-sizes 1,16,64,256] [--contexts 512,2048,8192] [--quick]
+
+Each point: bs requests with ctx-token prompts are prefilled (untimed), then `--steps` decode steps
+of the whole batch are timed end to end through Engine.step() (scheduling, graph replay, sampling
+and the token copy back included). JSON lines per point, a table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, decode_step_bytes, hardware, now, random_model  # noqa: E402
+
+
+def bench_point(engine, loaded, bs: int, ctx: int, steps: int, warm: int, bw: float, seed: int) -> dict:
+    from swaserve.request import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=warm + steps + 2, ignore_eos=True)
+    ids = [f"p{bs}-{ctx}-{i}" for i in range(bs)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(10, 200000, (ctx,), generator=g).tolist(), params)
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(warm):
+        engine.step()
+    assert len(engine.scheduler.running) == bs, "the whole batch must decode together"
+    t0 = now(engine.device)
+    for _ in range(steps):
+        engine.step()
+    dt = now(engine.device) - t0
+    for rid in ids:
+        engine.abort(rid)
+    step = dt / steps
+    nbytes = decode_step_bytes(loaded, bs, ctx + warm + steps // 2, engine.dtype)
+    roof = nbytes / bw
+    return dict(bs=bs, ctx=ctx, step_ms=round(step * 1e3, 3), tok_per_s=round(bs / step, 1),
+                roofline_step_ms=round(roof * 1e3, 3), roofline_frac=round(roof / step, 3), bytes_per_step=nbytes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="1b,4b")
+    ap.add_argument("--batch-sizes", default="1,16,64,128,256")
+    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--max-tokens-in-flight", type=int, default=1 << 20, help="skip points with bs*ctx above this")
+    ap.add_argument("--quick", action="store_true", help="1B at bs 1/64, ctx 512/2048; 4B at bs 1, ctx 1024")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    a = ap.parse_args()
+    from swaserve.engine import Engine
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    bw = copy_bandwidth(dev)
+    print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; bf16 weights and KV", flush=True)
+    plan = {s: ([int(b) for b in a.batch_sizes.split(",")], [int(c) for c in a.contexts.split(",")]) for s in a.shapes.split(",")}
+    if a.quick:
+        plan = {"1b": ([1, 64], [512, 2048]), "4b": ([1], [1024])}
+    rows = []
+    for shape, (bss, ctxs) in plan.items():
+        loaded = random_model(shape, dev, dtype)
+        max_ctx = max(ctxs) + a.steps + a.warmup + 8
+        engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=max(bss), max_context=max_ctx,
+                        max_prefill_tokens=16384, disable_cuda_graph=a.disable_cuda_graph)
+        print(f"# {shape}: {engine.plan.describe()}", flush=True)
+        for ctx in ctxs:
+            for bs in bss:
+                if bs * ctx > a.max_tokens_in_flight or bs * (ctx + a.steps + a.warmup + 2) > engine.plan.full_tokens:
+                    continue
+                r = dict(shape=shape, **bench_point(engine, loaded, bs, ctx, a.steps, a.warmup, bw, seed=bs * 7 + ctx))
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        del engine, loaded
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    print(f"\n{'shape':<5} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'of roofline':>11}")
+    for r in rows:
+        print(f"{r['shape']:<5} {r['bs']:>4} {r['ctx']:>5} {r['step_ms']:>8} {r['tok_per_s']:>9} "
+              f"{r['roofline_step_ms']:>8} {r['roofline_frac'] * 100:>10.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Long-context capacity: with a fixed KV budget and max-context requests on a Gemma-3-12B shape,
+how many requests run at once with hybrid pools vs one pool for every layer, against MemoryPlan's
+theoretical numbers, and the decode throughput at that load.
+
+    python benchmarks/memory_capacity.py [--shape 12b] [--kv-gib 40] [--context 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import hardware, now, random_model  # noqa: E402
+
+
+def run_mode(loaded, dev, hybrid: bool, kv_bytes: int, ctx: int, new_tokens: int, prefill: int) -> dict:
+    from swaserve.engine import Engine
+    from swaserve.request import SamplingParams
+
+    engine = Engine(loaded, device=dev, dtype=torch.bfloat16, kv_cache_bytes=kv_bytes, max_context=ctx,
+                    max_running_requests=48, max_prefill_tokens=prefill, disable_hybrid_swa=not hybrid)
+    theory = engine.plan.max_concurrent_requests(ctx)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    for i in range(theory + 1):  # one more than fits: it must wait (or be retracted), never corrupt
+        engine.add_request(str(i), torch.randint(10, 200000, (ctx - new_tokens,), generator=g).tolist(), params)
+    max_running, decode_times = 0, []
+    while engine.has_unfinished():
+        t = now(dev)
+        engine.step()
+        dt = now(dev) - t
+        if engine.last_step and engine.last_step[0] == "decode":
+            decode_times.append((engine.last_step[1], dt))
+            max_running = max(max_running, engine.last_step[1])
+    full_decodes = [t for n, t in decode_times if n == max_running]
+    step = sorted(full_decodes)[len(full_decodes) // 2] if full_decodes else float("nan")
+    out = dict(hybrid=hybrid, plan=engine.plan.describe(), theoretical_concurrent=theory, max_running=max_running,
+               decode_step_ms=round(step * 1e3, 2), decode_tok_per_s=round(max_running / step, 1),
+               retractions=engine.stats.retractions_total)
+    del engine
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="12b")
+    ap.add_argument("--kv-gib", type=float, default=40)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prefill-chunk", type=int, default=4096)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    loaded = random_model(a.shape, dev, torch.bfloat16, max_positions=a.context)
+    kv = int(a.kv_gib * (1 << 30))
+    rows = [run_mode(loaded, dev, h, kv, a.context, a.new_tokens, a.prefill_chunk) for h in (False, True)]
+    single, hyb = rows
+    theory_ratio = hyb["theoretical_concurrent"] / max(single["theoretical_concurrent"], 1)
+    measured = hyb["max_running"] / max(single["max_running"], 1)
+    for r in rows:
+        print(json.dumps(dict(shape=a.shape, kv_gib=a.kv_gib, context=a.context, hardware=hardware(), **r)))
+    print(f"\n{'mode':<12} {'theory':>6} {'running':>7} {'step ms':>8} {'tok/s':>8}  plan")
+    for r in rows:
+        print(f"{'hybrid' if r['hybrid'] else 'single pool':<12} {r['theoretical_concurrent']:>6} {r['max_running']:>7} "
+              f"{r['decode_step_ms']:>8} {r['decode_tok_per_s']:>8}  {r['plan']}")
+    print(f"concurrency ratio: measured {measured:.2f}x vs theoretical {theory_ratio:.2f}x "
+          f"({measured / theory_ratio:.2f} of theory)")
+
+
+if __name__ == "__main__":
+    main()
