@@ -96,9 +96,12 @@ def _extend_kernel(
              o.to(out.dtype.element_ty), mask=mmask[:, None] & (dv[None, :] < DV))
 
 
-def _default_config(block_d: int) -> tuple[int, int, int, int]:
+def _default_config(block_d: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, from an H100 sweep (triton 3.6,
-    bf16, 4k-token prefill): d64 240 TFLOP/s, d256 228 (vs 114 at 32/32/4 warps), d512 126."""
+    bf16, 4k-token prefill): d64 240 TFLOP/s, d256 228 (vs 114 at 32/32/4 warps), d512 126.
+    fp32 tiles take twice the shared memory: halve them past d128 (d256 fp32 at 128x64 needs 295 KB)."""
+    if elem_bytes >= 4 and block_d > 128:
+        return (64, 32, 4, 2) if block_d <= 256 else (32, 32, 4, 2)
     if block_d <= 128:
         return 64, 64, 4, 3
     if block_d <= 256:
@@ -147,7 +150,7 @@ def extend_attention(
     if T == 0 or bs == 0 or max_extend_len <= 0:
         return out
     bdk, bdv = _block_d(DK), _block_d(DV)
-    bm, bn, warps, stages = _default_config(max(bdk, bdv))
+    bm, bn, warps, stages = _default_config(max(bdk, bdv), q.element_size())
     block_m, block_n = block_m or bm, block_n or bn
     upcast, prec = dot_flags(q.dtype)
     kw = {"num_warps": num_warps or warps, "num_stages": num_stages or stages}

@@ -20,9 +20,15 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] int64 -> [num_tokens, hidden]
         h = F.embedding(input_ids, self.weight)
         if self.scale is not None:
-            # sqrt(3072) = 55.43 becomes 55.5 in bf16; HF multiplies by the rounded value.
-            h = h * torch.tensor(self.scale, dtype=h.dtype, device=h.device)
+            # sqrt(3072) = 55.43 becomes 55.5 in bf16; HF multiplies by the rounded value. A Python
+            # float (exactly that rounded value) keeps the multiply free of host-to-device copies,
+            # which a CUDA graph capture forbids.
+            h = h * _rounded(self.scale, h.dtype)
         return h
+
+
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(x, dtype=dtype))
 
 
 class LMHead(nn.Module):
