@@ -17,7 +17,8 @@ def run(loaded, dtype, prompts, steps, **opts) -> list[list[int]]:
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
 
-    e = Engine(loaded, device="cuda", dtype=dtype, max_running_requests=16, max_context=2048, **opts)
+    e = Engine(loaded, device="cuda", dtype=dtype, max_running_requests=16, max_context=2048,
+               kv_cache_bytes=2 << 30, **opts)
     for i, p in enumerate(prompts):
         e.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
     done = {}
@@ -26,6 +27,8 @@ def run(loaded, dtype, prompts, steps, **opts) -> list[list[int]]:
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     assert e.memory_stats()["full_tokens_used"] == 0
+    del e
+    torch.cuda.empty_cache()
     return [done[str(i)] for i in range(len(prompts))]
 
 

@@ -62,7 +62,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             e.step()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":
