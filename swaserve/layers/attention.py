@@ -73,7 +73,7 @@ class SelfAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = self.rotary(batch.positions, q, k, batch.scratch)
         assert batch.attn_backend is not None, "ModelRunner sets batch.attn_backend before the model runs"
         out = batch.attn_backend.forward(q, k, v, self.spec, batch, self.sinks)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

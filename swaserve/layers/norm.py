@@ -22,7 +22,17 @@ class RMSNorm(nn.Module):
         self.fp32_weight = fp32_weight
         self.weight = nn.Parameter(torch.empty(dim))  # [dim]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x), or `residual + norm(x)` in x's dtype (one fused kernel on CUDA)."""
+        if x.is_cuda:
+            from swaserve.kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset, weight_fp32=self.fp32_weight,
+                            residual=residual)
+        y = self._reference(x)
+        return y if residual is None else residual + y
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

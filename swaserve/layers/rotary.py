@@ -24,18 +24,36 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = attention_scaling  # YaRN scales cos/sin (both q and k)
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
+    def cos_sin(self, positions: torch.Tensor, cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[num_tokens, head_dim / 2]` float32 tables, computed once per forward: `cache` is the
+        batch's per-forward scratch dict, so layers sharing this module share the tables and nothing
+        outlives the step (a graph capture records the computation itself)."""
+        hit = cache.get(id(self)) if cache is not None else None
+        if hit is not None:
+            return hit
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device.setdefault(positions.device, self.inv_freq.to(positions.device))
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim / 2] float32
+        tables = (freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling)
+        if cache is not None:
+            cache[id(self)] = tables
+        return tables
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cache: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._on_device.setdefault(positions.device, self.inv_freq.to(positions.device))
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim / 2] float32
-        cos = (freqs.cos() * self.attention_scaling)[:, None, :]
-        sin = (freqs.sin() * self.attention_scaling)[:, None, :]
+        cos, sin = self.cos_sin(positions, cache)
+        if q.is_cuda:  # one fused launch, in place
+            from swaserve.kernels.rotary import apply_rotary_
+
+            apply_rotary_(q, k, cos, sin)
+            return q, k
+        cos, sin = cos[:, None, :], sin[:, None, :]
         return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
 
     def extra_repr(self) -> str:

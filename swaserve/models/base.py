@@ -51,8 +51,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         if self.sandwich:
-            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), batch))
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), batch), residual=h)
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)), residual=h)
         h = h + self.self_attn(self.input_layernorm(h), batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -39,6 +39,9 @@ class ForwardBatch:
     swa_out_cache_loc: torch.Tensor | None = None
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = field(default=None, repr=False)  # built by attn_backend.init_forward_metadata
+    # Per-forward scratch shared by layers (e.g. rotary cos/sin); dies with the batch, so nothing
+    # computed for one step or one capture run is ever reused by another.
+    scratch: dict = field(default_factory=dict, repr=False)
 
     @property
     def batch_size(self) -> int:
