@@ -15,6 +15,7 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None):
         super().__init__()
         self.scale = scale
+        self._scaled: dict[torch.dtype, float] = {}  # scale rounded to each dtype seen
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [vocab, hidden]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] int64 -> [num_tokens, hidden]
@@ -23,12 +24,11 @@ class VocabEmbedding(nn.Module):
             # sqrt(3072) = 55.43 becomes 55.5 in bf16; HF multiplies by the rounded value. A Python
             # float (exactly that rounded value) keeps the multiply free of host-to-device copies,
             # which a CUDA graph capture forbids.
-            h = h * _rounded(self.scale, h.dtype)
+            scale = self._scaled.get(h.dtype)
+            if scale is None:
+                scale = self._scaled.setdefault(h.dtype, float(torch.tensor(self.scale, dtype=h.dtype)))
+            h = h * scale
         return h
-
-
-def _rounded(x: float, dtype: torch.dtype) -> float:
-    return float(torch.tensor(x, dtype=dtype))
 
 
 class LMHead(nn.Module):

@@ -31,19 +31,24 @@ class CudaGraphRunner(DecodeGraphRunner):
             raise ValueError(f"{type(self.backend).__name__} cannot be captured in a CUDA graph; use triton")
         self.backend.init_graph_state(self.sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # One logits buffer for every size: a graph writes rows [0, bs); per-size outputs would
+        # keep sum(sizes) x vocab float32 alive (2.4 GB for Gemma at max_bs 256).
+        self.logits = torch.empty(self.sizes[-1], runner.model_config.vocab_size, dtype=torch.float32,
+                                  device=runner.device)  # [max_bs, vocab] float32, device
         self._capture()
 
     def _run_once(self, bs: int) -> torch.Tensor:
         fb = self._static_batch(bs, [1] * bs)
         self.backend.init_forward_metadata_graph(fb)
         hidden = self.model(fb)  # [bs, hidden]: one token per request
-        return self.model.compute_logits(hidden)
+        self.logits[:bs].copy_(self.model.compute_logits(hidden))
+        return self.logits[:bs]
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
         stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))  # weights and pools are ready
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -51,12 +56,12 @@ class CudaGraphRunner(DecodeGraphRunner):
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._run_once(bs)
+                    self._run_once(bs)
             pool = graph.pool() if pool is None else pool
-            self.graphs[bs], self.outputs[bs] = graph, out
+            self.graphs[bs] = graph
         torch.cuda.synchronize(self.runner.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def _replay(self, bs: int, seq_lens_cpu: list[int]) -> torch.Tensor:
         self.graphs[bs].replay()
-        return self.outputs[bs]
+        return self.logits[:bs]

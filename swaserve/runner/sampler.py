@@ -224,7 +224,7 @@ class Sampler:
     def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set; a row's top token is
         always kept. Thresholds are values, so tokens tied with the last kept one are kept too."""
-        neg_inf = torch.tensor(float("-inf"), device=logits.device)
+        neg_inf = float("-inf")  # a Python scalar: no host-to-device copy per step
         if batch.need_top_k or batch.need_top_p:
             # One sort serves both; stable so equal logits keep index order like argmax does.
             sorted_logits, _ = logits.sort(dim=-1, descending=True, stable=True)  # [bs, vocab]

@@ -24,7 +24,7 @@ DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("form", [dict(unit_offset=True), dict(fp32_weight=True), dict()])
 @pytest.mark.parametrize("dim", [64, 640, 1152])
 def test_rms_norm_matches_torch_form(device, dtype, form, dim):
-    norm = RMSNorm(dim, eps=1e-6, **form).to(device)
+    norm = RMSNorm(dim, eps=1e-6, **form).to(device=device, dtype=dtype)  # weights in the model dtype
     with torch.no_grad():
         norm.weight.normal_(0, 0.3)
     x = (torch.randn(7, dim, device=device) * 3).to(dtype)
