@@ -22,8 +22,9 @@ LIMIT_A=150 LIMIT_B=330 LIMIT_C=110
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi unavailable"
 wheels=(.whl/*.whl)
-if [ -e "${wheels[0]}" ]; then
-    # Carried wheels (pytest and friends may be missing on the machine); no index, no deps.
+if [ -e "${wheels[0]}" ] && ! python3 -c "import pytest" > /dev/null 2>&1; then
+    # Carried wheels, only where pytest is missing (an older carried pytest breaks the machine's own
+    # pytest plugins); no index, no deps.
     pip_cmd=(python3 -m pip)
     python3 -m pip --version > /dev/null 2>&1 || pip_cmd=(pip)
     if "${pip_cmd[@]}" install --no-index --no-deps --target /tmp/site "${wheels[@]}" > "$OUT/pip.log" 2>&1; then
