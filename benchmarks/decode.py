@@ -11,6 +11,7 @@ and the token copy back included). JSON lines per point, a table at the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -82,6 +83,7 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
         del engine, loaded
+        gc.collect()  # the runner and its graph runner reference each other
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     print(f"\n{'shape':<5} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'of roofline':>11}")
     for r in rows:

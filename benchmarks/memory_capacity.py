@@ -8,6 +8,7 @@ theoretical numbers, and the decode throughput at that load.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -43,6 +44,7 @@ def run_mode(loaded, dev, hybrid: bool, kv_bytes: int, ctx: int, new_tokens: int
                decode_step_ms=round(step * 1e3, 2), decode_tok_per_s=round(max_running / step, 1),
                retractions=engine.stats.retractions_total)
     del engine
+    gc.collect()  # the runner and its graph runner reference each other: free the pools now
     torch.cuda.empty_cache()
     return out
 
