@@ -77,8 +77,9 @@ def main() -> None:
         print(f"# {shape}: {engine.plan.describe()}", flush=True)
         for ctx in ctxs:
             for bs in bss:
-                if bs * ctx > a.max_tokens_in_flight or bs * (ctx + a.steps + a.warmup + 2) > engine.plan.full_tokens:
-                    continue
+                need = ctx + a.steps + a.warmup + 2
+                if bs * ctx > a.max_tokens_in_flight or engine.plan.max_concurrent_requests(need) < bs:
+                    continue  # the batch would not fit both pools at once (it would be retracted)
                 r = dict(shape=shape, **bench_point(engine, loaded, bs, ctx, a.steps, a.warmup, bw, seed=bs * 7 + ctx))
                 rows.append(r)
                 print(json.dumps(r), flush=True)
