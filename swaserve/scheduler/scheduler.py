@@ -107,8 +107,15 @@ class Scheduler:
                 len(self.running) + len(reqs) >= self.config.max_running_requests or not self.table.available()
             ):
                 break
-            # A new admission leaves room for every running request's next decode token.
-            reserve = len(self.running) if req.kv_len == 0 else 0
+            reserve = 0
+            if req.kv_len == 0:
+                # A new admission leaves room for every running request's next decode token, and
+                # only starts if its whole prompt fits the full pool: admitting a prompt that cannot
+                # finish prefilling would only be retracted again (SWA slots are recycled as the
+                # prefill advances, so only the chunk counts there).
+                reserve = len(self.running)
+                if self._full_available() - reserve < req.pending:
+                    break
             n = min(req.pending, budget, self.allocator.available() - reserve)
             if n <= 0:
                 break
@@ -173,6 +180,9 @@ class Scheduler:
         return progressed
 
     # -- memory ------------------------------------------------------------------------------
+
+    def _full_available(self) -> int:
+        return getattr(self.allocator, "full", self.allocator).available()
 
     def _evict_swa(self, req: Req) -> None:
         if self.evictor is not None and req.row is not None:
