@@ -23,7 +23,9 @@ class Params:  # the SamplingParams fields the scheduler reads
 
 def runtime(path, backend: str):
     config, model = load_model_from_dir(path, "cpu", torch.float32)
-    cache = CacheConfig(kv_cache_bytes=2 << 20, swa_evict_margin=0, swa_evict_chunk=1)
+    # A small SWA pool (~1/4 of the full one) recycles slots, so full and SWA indices diverge and an
+    # untranslated list would read the wrong rows.
+    cache = CacheConfig(kv_cache_bytes=60_000, swa_full_tokens_ratio=0.25, swa_evict_margin=0, swa_evict_chunk=1)
     sched = SchedulerConfig(max_running_requests=4, max_prefill_tokens=7)  # chunks cross W = 8
     return build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched,
                          RunnerConfig(attention_backend=backend))
@@ -50,4 +52,6 @@ def test_triton_backend_matches_torch_native(tmp_path):
             rt.scheduler.process_output(b, tokens)
             rt.scheduler.check_integrity()
     assert modes == {"extend", "decode"}
+    full, swa = tri.allocator.full, tri.allocator.swa
+    assert swa.size < full.size and sum(len(p) + 12 for p in prompts) > swa.size, "SWA slots were recycled"
     assert tri.allocator.swa.available() == tri.allocator.swa.size, "every SWA slot freed"
