@@ -192,7 +192,6 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape == (batch.batch_size, batch.vocab_size), logits.shape
         logits = self._apply_penalties(logits.float(), batch)
-        logprobs_all = torch.log_softmax(logits, dim=-1)  # [bs, vocab] float32
 
         next_ids = logits.argmax(dim=-1)  # [bs] int64
         if not batch.all_greedy:
@@ -200,9 +199,13 @@ class Sampler:
             next_ids = torch.where(batch.greedy, next_ids, sampled)
 
         top_ids = top_vals = None
+        # Full [bs, vocab] log-probs only when someone asked for top-n; the sampled token's logprob
+        # needs just the normaliser (no vocab-wide write on every decode step).
+        log_z = torch.logsumexp(logits, dim=-1)  # [bs] float32
         if batch.max_num_logprobs is not None:
-            top_vals, top_ids = logprobs_all.topk(batch.max_num_logprobs, dim=-1)
-        chosen = logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
+            top_vals, top_ids = logits.topk(batch.max_num_logprobs, dim=-1)
+            top_vals = top_vals - log_z[:, None]
+        chosen = logits.gather(1, next_ids[:, None]).squeeze(1) - log_z
         return SamplerOutput(next_ids, chosen, top_ids, top_vals)
 
     @staticmethod
