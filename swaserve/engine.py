@@ -15,7 +15,7 @@ from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, RequestOutput, SamplingParams
 from swaserve.runner.sampler import Sampler, SamplingBatch
-from swaserve.scheduler.req import Req, ReqStatus
+from swaserve.scheduler.req import Req
 
 CPU_DEFAULT_MAX_CONTEXT = 4096  # keeps the CPU pools and request table small; override with max_context
 
@@ -205,7 +205,7 @@ class Engine:
             "swa_tokens_used": swa.used() if swa is not None else 0,
             "swa_tokens_total": swa.size if swa is not None else 0,
             "running": len(self.scheduler.running),
-            "waiting": sum(1 for r in self.scheduler.waiting if r.status is ReqStatus.WAITING),
+            "waiting": len(self.scheduler.waiting),
             "retractions": self.scheduler.retractions_total,
         }
 
