@@ -51,10 +51,13 @@ def main() -> None:
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             parts[k] += v / n * 1e3
     print(f"{shape} bs={bs}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in parts.items()), flush=True)
+    from swaserve.runner.graph_buffers import padded_batch_size
+
+    graph_bs = padded_batch_size(bs, runner.graph_runner.sizes)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(n):
-        runner.graph_runner.graphs[max(8, bs) if bs > 8 else [s for s in runner.graph_runner.sizes if s >= bs][0]].replay()
+        runner.graph_runner.graphs[graph_bs].replay()
     torch.cuda.synchronize()
     print(f"pure graph replay: {(time.perf_counter() - t) / n * 1e3:.3f} ms", flush=True)
     from torch.profiler import ProfilerActivity, profile
