@@ -150,9 +150,9 @@ class SWATokenToKVPoolAllocator:
         assert mapped.numel() == self.swa.used(), (
             f"{mapped.numel()} mapped full slots but {self.swa.used()} SWA slots in use (leak or stale mapping)"
         )
-        free_full = self.full._free
+        free_full = self.full.free_slots()
         assert not table[free_full].any(), "a free full slot still maps to an SWA slot"
-        free_swa = set(self.swa._free.tolist())
+        free_swa = set(self.swa.free_slots().tolist())
         assert not free_swa.intersection(mapped.tolist()), "a free SWA slot is still mapped (stale mapping)"
         self.full.check_integrity(owned_full)
         self.swa.check_integrity(mapped if mapped.numel() == self.swa.used() else None)
