@@ -1,5 +1,6 @@
 """Fused RMSNorm: one launch per call instead of the ~8 elementwise kernels of the torch form, with
-the residual add of Gemma's sandwich norms folded in (`residual + norm(x)`)."""
+the residual add of Gemma's sandwich norms folded in (`residual + norm(x)`), and `add_rms_norm`: that
+add plus the next norm of the layer in one launch."""
 
 from __future__ import annotations
 
@@ -56,3 +57,73 @@ def rms_norm(
             num_warps=4 if block <= 2048 else 8,
         )
     return out.view(x.shape)
+
+
+@triton.jit
+def _weighted(xhat, w, ty: tl.constexpr, UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr):
+    """The three weight forms of `_rms_norm_kernel`, rounded to `ty` (xhat and w in float32)."""
+    if UNIT_OFFSET:
+        y = (xhat * (1.0 + w)).to(ty)
+    elif WEIGHT_FP32:
+        y = (w * xhat).to(ty)
+    else:
+        y = (w.to(ty) * xhat.to(ty)).to(ty)
+    return y
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, pw_ptr, nw_ptr, h_ptr, y_ptr,
+                         stride_x, stride_res, stride_h, stride_y, n_cols, eps,
+                         UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_POST: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    ty = h_ptr.dtype.element_ty
+    r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+    if HAS_POST:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        pw = tl.load(pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (r + _weighted(xhat, pw, ty, UNIT_OFFSET, WEIGHT_FP32)).to(ty)
+    else:
+        h = (r + tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)).to(ty)
+    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+    # The second norm reads h as rounded to the dtype, as if it had been stored and reloaded.
+    hf = h.to(tl.float32)
+    hhat = hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+    nw = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, _weighted(hhat, nw, ty, UNIT_OFFSET, WEIGHT_FP32), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, dim], rows may be strided
+    residual: torch.Tensor,  # [T, dim], x's dtype
+    post_weight: torch.Tensor | None,  # [dim]: h = residual + norm(x); None: h = residual + x
+    next_weight: torch.Tensor,  # [dim]
+    eps: float,
+    *,
+    unit_offset: bool = False,
+    weight_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(h, norm(h))` with `h = residual + post_norm(x)`: a sandwich norm's residual add and the next
+    block's input norm in one launch, rounded exactly as the two `rms_norm` calls would be."""
+    dim = x.shape[-1]
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
+    x2 = x.reshape(-1, dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res2 = residual.reshape(-1, dim)
+    if res2.stride(-1) != 1:
+        res2 = res2.contiguous()
+    h = torch.empty_like(x2)
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(dim)
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2, res2, post_weight if post_weight is not None else next_weight, next_weight, h, y,
+            x2.stride(0), res2.stride(0), h.stride(0), y.stride(0), dim, eps,
+            UNIT_OFFSET=unit_offset, WEIGHT_FP32=weight_fp32, HAS_POST=post_weight is not None, BLOCK=block,
+            num_warps=4 if block <= 2048 else 8,
+        )
+    return h.view(x.shape), y.view(x.shape)
