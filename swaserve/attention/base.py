@@ -36,10 +36,26 @@ class AttentionBackend(ABC):
     handed to an SWA-pool layer is in SWA space. The window: a query at p sees keys p-W+1 .. p.
     """
 
+    # True if a layer may write its new K/V itself, fused with its q/k norm and rotary, at
+    # `kv_target(...)`, and then call `forward(..., kv_stored=True)`.
+    fused_kv_store: bool = False
+
     def __init__(self, kv: SWAKVPool, req_to_token: ReqToTokenPool, full_to_swa: torch.Tensor | None):
         self.kv = kv
         self.req_to_token = req_to_token
         self.full_to_swa = full_to_swa  # [full_size+2] int32, device; None without an SWA pool
+
+    def kv_target(self, spec: AttentionSpec, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(k_buf, v_buf, locs)`: where this step's new K/V of layer `spec.layer_id` go, `locs` in
+        the layer's own index space (SWA slots for a layer in the SWA pool). Needs the metadata."""
+        lid = spec.layer_id
+        if self.kv.uses_swa_space(lid):
+            assert spec.sliding_window is not None, f"full-attention layer {lid} stored in the SWA pool"
+            locs = batch.attn_metadata.swa_out_cache_loc
+            assert locs is not None, f"layer {lid} lives in the SWA pool but no SWA write locations were built"
+        else:
+            locs = batch.out_cache_loc
+        return self.kv.k_buffer(lid), self.kv.v_buffer(lid), locs
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -54,5 +70,7 @@ class AttentionBackend(ABC):
         spec: AttentionSpec,
         batch: ForwardBatch,
         sinks: torch.Tensor | None = None,  # [num_heads] float: per-head sink logits (GPT-OSS)
+        kv_stored: bool = False,  # the layer already wrote k/v at `kv_target` (fused_kv_store only)
     ) -> torch.Tensor:
-        """Store k/v into the layer's pool, then attend; returns `[num_tokens, num_heads, v_head_dim]`."""
+        """Store k/v into the layer's pool (unless `kv_stored`), then attend; returns
+        `[num_tokens, num_heads, v_head_dim]`."""

@@ -151,16 +151,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         spec: AttentionSpec,
         batch: ForwardBatch,
         sinks: torch.Tensor | None = None,  # [num_heads] float
+        kv_stored: bool = False,
     ) -> torch.Tensor:
+        assert not kv_stored, "the oracle stores K/V itself (fused_kv_store is False)"
         meta: TorchNativeMetadata = batch.attn_metadata
         lid = spec.layer_id
         in_swa = self.kv.uses_swa_space(lid)
-        if in_swa:
-            assert spec.sliding_window is not None, f"full-attention layer {lid} stored in the SWA pool"
-            assert meta.swa_out_cache_loc is not None, "layer in the SWA pool but no full_to_swa table"
-            self.kv.set_kv(lid, meta.swa_out_cache_loc, k, v)
-        else:
-            self.kv.set_kv(lid, batch.out_cache_loc, k, v)
+        _, _, locs = self.kv_target(spec, batch)
+        self.kv.set_kv(lid, locs, k, v)
 
         keys = self._keys(batch, spec.sliding_window)
         slots = keys.swa if in_swa else keys.full

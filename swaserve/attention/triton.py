@@ -56,6 +56,8 @@ class TritonAttnBackend(AttentionBackend):
     min(seq_len, W) positions, an extend prefix window list starts at max(0, prefix_len - W + 1).
     """
 
+    fused_kv_store = True
+
     def __init__(
         self,
         kv: SWAKVPool,
@@ -146,14 +148,14 @@ class TritonAttnBackend(AttentionBackend):
         spec: AttentionSpec,
         batch: ForwardBatch,
         sinks: torch.Tensor | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         meta: TritonMetadata = batch.attn_metadata
         lid = spec.layer_id
         in_swa = self.kv.uses_swa_space(lid)
-        k_buf, v_buf = self.kv.k_buffer(lid), self.kv.v_buffer(lid)
-        locs = meta.swa_out_cache_loc if in_swa else batch.out_cache_loc
-        assert locs is not None, f"layer {lid} lives in the SWA pool but no SWA write locations were built"
-        store_kv(k_buf, v_buf, locs, k, v)
+        k_buf, v_buf, locs = self.kv_target(spec, batch)
+        if not kv_stored:
+            store_kv(k_buf, v_buf, locs, k, v)
         windowed = spec.sliding_window is not None
         kl = meta.window if windowed else meta.full
         assert kl is not None, f"no key list for layer {lid}"

@@ -23,6 +23,16 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# HF activation name -> the name `kernels.activation.act_and_mul` computes it under.
+_FUSED = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+          "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
+def fused_activation_name(name: str) -> str | None:
+    """The fused act-and-mul kernel's name for HF activation `name`; None if it has none."""
+    return _FUSED.get(name)
+
+
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The elementwise activation HF calls `name` (config `hidden_act` / `hidden_activation`)."""
     if name not in _ACTIVATIONS:

@@ -67,13 +67,34 @@ class SelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
+        backend = batch.attn_backend
+        assert backend is not None, "ModelRunner sets batch.attn_backend before the model runs"
+        qkv = self.qkv_proj(hidden)
+        fused = backend.fused_kv_store
+        if fused:  # norm + rotary + K/V store in one launch, in place on qkv
+            self._norm_rotate_store(qkv, batch)
+        q, k, v = qkv.split(self.qkv_proj.out_sizes, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k, batch.scratch)
-        assert batch.attn_backend is not None, "ModelRunner sets batch.attn_backend before the model runs"
-        out = batch.attn_backend.forward(q, k, v, self.spec, batch, self.sinks)
+        if not fused:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(batch.positions, q, k, batch.scratch)
+        out = backend.forward(q, k, v, self.spec, batch, self.sinks, kv_stored=fused)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def _norm_rotate_store(self, qkv: torch.Tensor, batch: ForwardBatch) -> None:
+        from swaserve.kernels.qk_norm_rope import qk_norm_rope_store
+
+        assert batch.attn_backend is not None
+        cos, sin = self.rotary.cos_sin(batch.positions, batch.scratch)
+        k_buf, v_buf, locs = batch.attn_backend.kv_target(self.spec, batch)
+        qn, kn = self.q_norm, self.k_norm
+        qk_norm_rope_store(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
+            qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+            qn.eps if qn is not None else 0.0, k_buf, v_buf, locs,
+            unit_offset=qn.unit_offset if qn is not None else False,
+            weight_fp32=qn.fp32_weight if qn is not None else False,
+        )

@@ -8,6 +8,8 @@ from torch import nn
 
 from swaserve.layers.activation import soft_cap
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 
 class VocabEmbedding(nn.Module):
     """Looks up token rows; `scale` (Gemma: sqrt(hidden)) is rounded to the model dtype first, as HF does."""
@@ -15,7 +17,11 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None):
         super().__init__()
         self.scale = scale
-        self._scaled: dict[torch.dtype, float] = {}  # scale rounded to each dtype seen
+        # The scale rounded to each float dtype, computed here so no forward (traced or captured
+        # ones included) ever converts a tensor to a Python number.
+        self._scaled: dict[torch.dtype, float] = (
+            {} if scale is None else {dt: float(torch.tensor(scale, dtype=dt, device="cpu")) for dt in _FLOAT_DTYPES}
+        )
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [vocab, hidden]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] int64 -> [num_tokens, hidden]
@@ -24,10 +30,7 @@ class VocabEmbedding(nn.Module):
             # sqrt(3072) = 55.43 becomes 55.5 in bf16; HF multiplies by the rounded value. A Python
             # float (exactly that rounded value) keeps the multiply free of host-to-device copies,
             # which a CUDA graph capture forbids.
-            scale = self._scaled.get(h.dtype)
-            if scale is None:
-                scale = self._scaled.setdefault(h.dtype, float(torch.tensor(self.scale, dtype=h.dtype)))
-            h = h * scale
+            h = h * self._scaled[h.dtype]
         return h
 
 
@@ -44,7 +47,21 @@ class LMHead(nn.Module):
         self.final_softcap = final_softcap
         self.weight = None if tied else nn.Parameter(torch.empty(vocab_size, hidden_size))  # [vocab, hidden]
 
-    def forward(self, hidden: torch.Tensor, embedding: VocabEmbedding) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, embedding: VocabEmbedding, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`[n, vocab]` float32 logits, written into `out` when given. On CUDA a 16-bit model's GEMM
+        writes float32 directly (one pass over the logits instead of three, and no rounding of the
+        logits to 16 bits); elsewhere the GEMM runs in the model dtype and is cast."""
         weight = embedding.weight if self.tied else self.weight
-        logits = F.linear(hidden, weight).float()  # [n, vocab] float32
-        return soft_cap(logits, self.final_softcap)
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+            if out is None:
+                out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)
+        else:
+            logits = F.linear(hidden, weight).float()
+            if out is not None:
+                logits = out.copy_(logits)
+        if self.final_softcap is None:
+            return logits
+        if out is None:
+            return soft_cap(logits, self.final_softcap)
+        return logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)  # in place, same ops

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swaserve.layers.activation import get_activation
+from swaserve.layers.activation import fused_activation_name, get_activation
 from swaserve.layers.linear import MergedLinear
 
 
@@ -17,7 +17,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(activation)
+        self.fused_act = fused_activation_name(activation)  # None: no fused kernel for it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and self.fused_act is not None:
+            from swaserve.kernels.activation import act_and_mul
+
+            return self.down_proj(act_and_mul(gate_up, self.fused_act))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

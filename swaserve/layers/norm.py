@@ -43,3 +43,18 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"
+
+
+def add_norm(
+    x: torch.Tensor, residual: torch.Tensor, post: RMSNorm | None, nxt: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add between two blocks and the next block's input norm: `h = residual + post(x)`
+    (`residual + x` without a post norm, Gemma's sandwich norm with one), returns `(h, nxt(h))`.
+    One fused launch on CUDA, rounded as the separate calls are; `post` and `nxt` share their form."""
+    if x.is_cuda:
+        from swaserve.kernels.norm import add_rms_norm
+
+        return add_rms_norm(x, residual, post.weight if post is not None else None, nxt.weight, nxt.eps,
+                            unit_offset=nxt.unit_offset, weight_fp32=nxt.fp32_weight)
+    h = post(x, residual=residual) if post is not None else residual + x
+    return h, nxt(h)

@@ -15,7 +15,7 @@ from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import LMHead, VocabEmbedding
 from swaserve.layers.linear import MergedLinear
 from swaserve.layers.mlp import GatedMLP
-from swaserve.layers.norm import RMSNorm
+from swaserve.layers.norm import RMSNorm, add_norm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
 
 if TYPE_CHECKING:
@@ -49,12 +49,18 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(hidden_size, **norm)
             self.post_feedforward_layernorm = RMSNorm(hidden_size, **norm)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(
+        self, h: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`h`: the residual stream `[num_tokens, hidden]`; `x = input_layernorm(h)`, computed by the
+        caller together with the previous residual add. Returns the new `h` and `next_norm(h)` (the
+        next layer's input norm, or the final norm), so each residual add and the norm after it run
+        as one fused launch on the GPU."""
         if self.sandwich:
-            h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), batch), residual=h)
-            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)), residual=h)
-        h = h + self.self_attn(self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            h, x = add_norm(self.self_attn(x, batch), h, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            return add_norm(self.mlp(x), h, self.post_feedforward_layernorm, next_norm)
+        h, x = add_norm(self.self_attn(x, batch), h, None, self.post_attention_layernorm)
+        return add_norm(self.mlp(x), h, None, next_norm)
 
 
 class DecoderStack(nn.Module):
@@ -68,9 +74,11 @@ class DecoderStack(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            h = layer(h, batch)
-        return self.norm(h)
+        x = self.layers[0].input_layernorm(h)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = layer(h, x, batch, nxt)
+        return x
 
 
 class CausalLM(nn.Module):
@@ -154,8 +162,9 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return self.lm_head(hidden, self.model.embed_tokens)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`[n, hidden]` -> `[n, vocab]` float32 logits (into `out` when given)."""
+        return self.lm_head(hidden, self.model.embed_tokens, out)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
