@@ -20,6 +20,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-hybrid-swa", action="store_true", help="cache sliding-window layers in the full pool")
     g.add_argument("--attention-backend", choices=["triton", "torch_native"], default=None, help="default: triton on CUDA")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly on the GPU")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="wait for each step before scheduling the next (default on a GPU: overlap them)")
     g.add_argument("--enable-cpu-graph", action="store_true",
                    help="torch.compile the CPU decode step (~1.2x faster steps, ~100 s longer start)")
 
@@ -37,6 +39,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["disable_cuda_graph"] = True
     if args.enable_cpu_graph:
         kw["enable_cpu_graph"] = True
+    if args.disable_overlap_schedule:
+        kw["overlap_schedule"] = False
     return kw
 
 

@@ -135,6 +135,7 @@ class RunnerConfig:
     attention_backend: str | None = None  # None: triton on CUDA, torch_native elsewhere
     disable_cuda_graph: bool = False
     enable_cpu_graph: bool = False
+    overlap_schedule: bool | None = None  # schedule step N+1 while N runs; None: on for CUDA
 
 
 _OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig)

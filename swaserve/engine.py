@@ -13,8 +13,8 @@ import torch
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.loader import LoadedModel
-from swaserve.request import CompletionOutput, RequestOutput, SamplingParams
-from swaserve.runner.sampler import Sampler, SamplingBatch
+from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
+from swaserve.runner.launcher import LaunchedStep, StepLauncher
 from swaserve.scheduler.req import Req
 
 CPU_DEFAULT_MAX_CONTEXT = 4096  # keeps the CPU pools and request table small; override with max_context
@@ -53,21 +53,32 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return all(r.finished for r in self.reqs)
+        for r in self.reqs:
+            if not r.finished:
+                return False
+        return True
+
+
+def default_overlap(device: torch.device) -> bool:
+    """Overlap scheduling pays off where the model runs asynchronously to the host: on a GPU."""
+    return device.type == "cuda"
 
 
 class Engine:
     """Continuous-batching engine over one model. Not thread-safe: one thread drives it.
 
-    `step()` runs one scheduler step (a chunked-prefill batch or a decode batch) and returns the
-    cumulative outputs of every request that got a new token.
+    `step()` launches one scheduler step (a chunked-prefill batch or a decode batch) and returns
+    the cumulative outputs of every request that got a new token in the step it completed. With
+    overlap (the default on a GPU) that is the step launched by the previous call: the host
+    schedules step N+1 while the device runs step N, and no step waits on the host in between.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, device: Any = None, dtype: Any = None,
                  **engine_options: Any):
         """`model`: None (embedded Gemma 3 270M), a GGUF file or HF directory path, or an already
         built `LoadedModel` (benchmarks with random weights; its tokenizer may be None, and then
-        prompts must be token ids)."""
+        prompts must be token ids). `engine_options`: fields of the cache, scheduler and runner
+        configs (`swaserve.config`), e.g. `max_running_requests=128, overlap_schedule=False`."""
         from swaserve.loader import load_model
         from swaserve.runtime import build_runtime
 
@@ -85,10 +96,13 @@ class Engine:
         self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
         rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg)
         self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
-        self.sampler = Sampler()
+        self.launcher = StepLauncher(self.runner)
+        overlap = runner_cfg.overlap_schedule
+        self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
-        self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last step
+        self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)
+        self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last launch
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -132,37 +146,23 @@ class Engine:
             self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- stepping ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if batch is None:
-            self.last_step = None
-            return []
-        self.last_step = (batch.mode.value, len(batch.reqs), batch.num_tokens)
-        logits = self.runner.forward(batch.to_forward_batch(self.device))  # [bs, vocab] float32
-        idx = batch.sample_indices()
-        tokens: list[int] = []
-        logprobs = None
-        if idx:
-            reqs = [batch.reqs[i] for i in idx]
-            rows = logits if len(idx) == len(batch.reqs) else logits[torch.tensor(idx, device=logits.device)]
-            sb = SamplingBatch.build(
-                [r.params for r in reqs],
-                [r.output_ids for r in reqs],
-                [r.ids[: r.prompt_len] for r in reqs],
-                rows.shape[-1],
-                self.device,
-                sample_indices=[r.index for r in reqs],
-            )
-            out = self.sampler(rows, sb)
-            tokens = out.next_token_ids.tolist()
-            asked = [r.params.logprobs for r in reqs]
-            if any(a is not None for a in asked):
-                logprobs = out.logprob_dicts(asked)
-        progressed = self.scheduler.process_output(batch, tokens, logprobs)
+        launched = self.launcher.launch(batch) if batch is not None else None
+        self.last_step = (batch.mode.value, len(batch.reqs), batch.num_tokens) if batch is not None else None
+        if self.overlap:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        return self._process(done) if done is not None else []
+
+    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
+        tokens, logprobs = step.wait()
+        progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
         self.stats.generation_tokens_total += len(progressed)
         self.stats.retractions_total = self.scheduler.retractions_total
         for r in progressed:
@@ -176,24 +176,24 @@ class Engine:
             group = self._groups.get(gid)
             if group is None:
                 continue
-            outs.append(self._output(gid, group))
-            if group.finished:
+            finished = group.finished
+            outs.append(self._output(gid, group, finished))
+            if finished:
                 del self._groups[gid]
         return outs
 
     @staticmethod
-    def _output(gid: str, group: _Group) -> RequestOutput:
-        comps = [
-            CompletionOutput(
-                index=r.index,
-                text=r.detok.text if r.detok is not None else "",
-                token_ids=list(r.output_ids),
-                logprobs=list(r.output_logprobs) if r.output_logprobs is not None else None,
-                finish_reason=r.finish_reason,  # type: ignore[arg-type]
-            )
-            for r in group.reqs
-        ]
-        return RequestOutput(gid, group.prompt, group.prompt_ids, comps, group.finished)
+    def _output(gid: str, group: _Group, finished: bool) -> RequestOutput:
+        # Running completions are reported as O(1) snapshots of their append-only token lists.
+        comps = []
+        for r in group.reqs:
+            ids: Any = r.ids[r.prompt_len :] if r.finished else ListSlice(r.ids, r.prompt_len, len(r.ids))
+            lps = r.output_logprobs
+            if lps is not None:
+                lps = list(lps) if r.finished else ListSlice(lps, 0, len(lps))
+            text = r.detok.text if r.detok is not None else ""
+            comps.append(CompletionOutput(r.index, text, ids, lps, r.finish_reason))  # type: ignore[arg-type]
+        return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished)
 
     def memory_stats(self) -> dict[str, int]:
         alloc = self.allocator

@@ -4,8 +4,11 @@ returns (CompletionOutput, RequestOutput). The scheduler's per-request state cla
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, overload
+
+T = TypeVar("T")
 
 FinishReason = Literal["stop", "length"]
 
@@ -128,19 +131,58 @@ class SamplingParams:
         )
 
 
+class ListSlice(Sequence[T]):
+    """`items[start:stop]` of a list that is only ever appended to, without copying it: a snapshot
+    that stays valid while the list grows. Streaming outputs use it so that reporting a request after
+    every step costs O(1), not O(tokens so far); finished outputs hold plain lists."""
+
+    __slots__ = ("_items", "_start", "_stop")
+
+    def __init__(self, items: list[T], start: int, stop: int):
+        self._items, self._start, self._stop = items, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            r = range(self._start, self._stop)[i]
+            return self._items[r.start : r.stop] if r.step == 1 else [self._items[j] for j in r]
+        n = self._stop - self._start
+        if not -n <= i < n:
+            raise IndexError("ListSlice index out of range")
+        return self._items[self._start + (i % n)]
+
+    def __iter__(self):
+        return iter(self._items[self._start : self._stop])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ListSlice, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 @dataclass
 class CompletionOutput:
     """One completion (of `n`) of a request, as seen after the latest step.
 
-    `logprobs` is None unless requested; otherwise one dict per generated token mapping token id to
+    `token_ids` and `logprobs` are lists once the completion is finished; while it runs they are
+    `ListSlice` snapshots (read-only sequences). `logprobs` is None unless requested; otherwise one dict per generated token mapping token id to
     logprob, holding the top-`logprobs` tokens plus the sampled token (so 1 or k+1 entries).
     `finish_reason` is None while the completion is still running.
     """
 
     index: int
     text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
+    token_ids: Sequence[int]
+    logprobs: Sequence[dict[int, float]] | None = None
     finish_reason: FinishReason | None = None
     cumulative_logprob: float | None = None
 

@@ -35,6 +35,12 @@ class SWAEvictor:
         self.margin = margin
         self.chunk = chunk
 
+    @property
+    def threshold(self) -> int:
+        """`evict` frees something iff `next_query_pos - evicted >= threshold`: callers test this
+        inline on the per-step path instead of calling `evict` for every request."""
+        return self.window - 1 + self.margin + self.chunk
+
     def frontier(self, next_query_pos: int) -> int:
         """First position that a query at >= next_query_pos may still read (less the margin)."""
         return max(0, next_query_pos - self.window + 1 - self.margin)

@@ -19,10 +19,10 @@ class CudaGraphRunner(DecodeGraphRunner):
     """Captures metadata building (device index builders), the model and the logits for each batch
     size, largest first, into one shared memory pool after two warm-ups.
 
-    What a graph reads is recomputed from the static buffers on every replay: the index lists are
-    rebuilt in-graph from `req_pool_indices`/`seq_lens`, and the SWA write locations are translated
-    from the live `out_cache_loc` into their static int32 buffer before each replay (padded rows 0).
-    Nothing batch-dependent is frozen into a capture.
+    What a graph reads is recomputed from the static buffers on every replay: input ids are
+    gathered in-graph from the runner's last-token table, the index lists are rebuilt in-graph from
+    `req_pool_indices`/`seq_lens`, and the SWA write locations are translated in-graph from the live
+    `out_cache_loc` (padded rows 0). Nothing batch-dependent is frozen into a capture.
     """
 
     def __init__(self, runner: ModelRunner, max_bs: int):
@@ -41,8 +41,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         fb = self._static_batch(bs, [1] * bs)
         self.backend.init_forward_metadata_graph(fb)
         hidden = self.model(fb)  # [bs, hidden]: one token per request
-        self.logits[:bs].copy_(self.model.compute_logits(hidden))
-        return self.logits[:bs]
+        return self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -39,10 +39,12 @@ class DecodeGraphRunner(ABC):
         raw = batch.batch_size
         bs = padded_batch_size(raw, self.sizes)
         assert bs is not None, "can_run() must be checked first"
-        self.buffers.populate(batch, bs, self.full_to_swa)
+        self.buffers.populate(batch, bs)
         return self._replay(bs, batch.seq_lens_cpu + [SEQ_LEN_FILL] * (bs - raw))[:raw]
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+        """The batch a captured program reads, its derived inputs recomputed from the live buffers."""
+        self.buffers.derive(bs, self.runner.last_tokens, self.full_to_swa)
         fb = self.buffers.forward_batch(bs, seq_lens_cpu)
         fb.attn_backend = self.backend
         return fb

@@ -22,11 +22,13 @@ class ForwardBatch:
     """One step's inputs. New tokens of request i are laid out contiguously, request after request.
 
     Positions of request i's new tokens are prefix_len_i .. seq_len_i - 1; their K/V go to the
-    full-pool slots `out_cache_loc` (the attention backend translates them for SWA layers).
+    full-pool slots `out_cache_loc` (the attention backend translates them for SWA layers). A decode
+    batch from the engine carries no input ids: each request's input is its last sampled token,
+    which the ModelRunner reads from its device table (the host may not know it yet).
     """
 
     mode: ForwardMode
-    input_ids: torch.Tensor  # [num_tokens] int64, device
+    input_ids: torch.Tensor | None  # [num_tokens] int64, device; None (decode): the runner fills it
     positions: torch.Tensor  # [num_tokens] int64, device
     req_pool_indices: torch.Tensor  # [bs] int64, device: rows of req_to_token
     seq_lens: torch.Tensor  # [bs] int32, device: tokens with K/V after this step (prefix + new)
@@ -37,6 +39,9 @@ class ForwardBatch:
     # [num_tokens] int32, device: out_cache_loc in SWA space. Set by graph runners from their static
     # buffer so the captured write reads it; None: the backend translates once per forward.
     swa_out_cache_loc: torch.Tensor | None = None
+    # [4, bs] int64, device (decode): positions, req_pool_indices, seq_lens, out_cache_loc as rows of
+    # one block, so a graph runner copies its inputs in one go. The fields above are views of it.
+    decode_inputs: torch.Tensor | None = None
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = field(default=None, repr=False)  # built by attn_backend.init_forward_metadata
     # Per-forward scratch shared by layers (e.g. rotary cos/sin); dies with the batch, so nothing
@@ -49,7 +54,7 @@ class ForwardBatch:
 
     @property
     def num_tokens(self) -> int:
-        return self.input_ids.numel()
+        return self.out_cache_loc.numel()
 
     @property
     def is_decode(self) -> bool:
@@ -58,16 +63,16 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         """Index into the token dimension of each request's last new token: `[bs]` int64, device."""
         if self.is_decode:
-            return torch.arange(self.batch_size, device=self.input_ids.device)
+            return torch.arange(self.batch_size, device=self.positions.device)
         assert self.extend_seq_lens_cpu is not None
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.input_ids.device, non_blocking=True)
+        return ends.to(self.positions.device, non_blocking=True)
 
     @classmethod
     def build(
         cls,
         mode: ForwardMode,
-        input_ids: list[int],
+        input_ids: list[int] | None,
         positions: list[int],
         req_pool_indices: list[int],
         seq_lens: list[int],
@@ -76,21 +81,29 @@ class ForwardBatch:
         extend_prefix_lens: list[int] | None = None,
         extend_seq_lens: list[int] | None = None,
     ) -> ForwardBatch:
-        """Assemble from host lists (the scheduler's view); one host-to-device copy per field."""
+        """Assemble from host lists (the scheduler's view) with one host-to-device copy: every field
+        is packed into one int64 buffer and split on the device. `input_ids` may be None only for
+        decode (the engine's case); given decode inputs are written to the runner's table first."""
+        assert input_ids is not None or mode is ForwardMode.DECODE, "extend steps need their input ids"
         dev = torch.device(device)
-
-        def put(xs: list[int], dtype: torch.dtype) -> torch.Tensor:
-            t = torch.tensor(xs, dtype=dtype)
-            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
-
+        T, bs = len(positions), len(req_pool_indices)
+        parts = [torch.tensor(positions, dtype=torch.int64), torch.tensor(req_pool_indices, dtype=torch.int64),
+                 torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc.to(dtype=torch.int64)]
+        if input_ids is not None:
+            parts.append(torch.tensor(input_ids, dtype=torch.int64))
+        packed = torch.cat(parts)
+        if dev.type == "cuda":
+            packed = packed.pin_memory().to(dev, non_blocking=True)
+        pos, rows, lens, locs, ids = packed.split([T, bs, bs, T, T if input_ids is not None else 0])
         return cls(
             mode=mode,
-            input_ids=put(input_ids, torch.int64),
-            positions=put(positions, torch.int64),
-            req_pool_indices=put(req_pool_indices, torch.int64),
-            seq_lens=put(seq_lens, torch.int32),
-            out_cache_loc=out_cache_loc.to(dev, dtype=torch.int64, non_blocking=True),
+            input_ids=ids if input_ids is not None else None,
+            positions=pos,
+            req_pool_indices=rows,
+            seq_lens=lens.to(torch.int32),
+            out_cache_loc=locs,
             seq_lens_cpu=list(seq_lens),
             extend_prefix_lens_cpu=extend_prefix_lens,
             extend_seq_lens_cpu=extend_seq_lens,
+            decode_inputs=packed[: 4 * bs].view(4, bs) if mode is ForwardMode.DECODE else None,
         )

@@ -12,46 +12,53 @@ SEQ_LEN_FILL = 1  # padded rows attend one key: the dummy slot 0 their own token
 class DecodeInputBuffers:
     """Fixed device buffers a captured decode step reads, sized for the largest captured batch.
 
+    `inputs` holds the four host-given fields as rows (positions, req_pool_indices, seq_lens,
+    out_cache_loc), so one copy brings a live batch in. The rest is derived from them by `derive`
+    (recorded into the CUDA graph, so it is recomputed on every replay): input ids from the runner's
+    last-token table, int32 seq_lens, and the SWA write locations translated from the live
+    `out_cache_loc` (never memoised across steps).
+
     Invariant after `populate(batch, bs)`: rows [0, raw_bs) hold the live batch; rows [raw_bs, bs)
     are padding that reads row 0 of `req_to_token` (all zeros), writes K/V only to slot 0 of both
     pools and attends a single key. Nothing from an earlier, larger batch survives in the padded
-    rows: every buffer is reset before the live rows are copied.
+    rows: they are reset in the same pass that copies the live rows.
     """
+
+    FIELDS = ("positions", "req_pool_indices", "seq_lens", "out_cache_loc")
+    PAD = (0, 0, SEQ_LEN_FILL, 0)  # DESIGN.md §4 fill value of each field, in FIELDS order
 
     def __init__(self, max_bs: int, device: torch.device | str, hybrid: bool):
         dev = torch.device(device)
         self.max_bs = max_bs
+        self.inputs = torch.tensor(self.PAD, dtype=torch.int64, device=dev)[:, None].repeat(1, max_bs)  # [4, max_bs] int64, device
+        self._pad = torch.tensor(self.PAD, dtype=torch.int64, device=dev)[:, None]  # [4, 1] int64, device
+        self.positions, self.req_pool_indices, self.seq_lens_i64, self.out_cache_loc = self.inputs.unbind(0)
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs] int64, device
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs] int64, device
-        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs] int64, device
         self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, dtype=torch.int32, device=dev)  # [max_bs] int32, device
-        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs] int64, device: full pool
-        # SWA write locations are int32, the dtype the translation yields, so no cast is captured.
+        # SWA write locations are int32, the dtype the translation yields and the kernels read.
         self.swa_out_cache_loc = (
             torch.zeros(max_bs, dtype=torch.int32, device=dev) if hybrid else None
         )  # [max_bs] int32, device: SWA pool
 
-    def populate(self, batch: ForwardBatch, bs: int, full_to_swa: torch.Tensor | None) -> None:
+    def populate(self, batch: ForwardBatch, bs: int) -> None:
         """Copy a live decode batch of raw_bs <= bs rows in, padding rows raw_bs .. bs-1."""
         raw = batch.batch_size
         assert batch.is_decode and raw <= bs <= self.max_bs, (raw, bs, self.max_bs)
         if bs != raw:
-            self.seq_lens[raw:bs].fill_(SEQ_LEN_FILL)
-            self.out_cache_loc[raw:bs].zero_()
-            self.req_pool_indices[raw:bs].zero_()
-            self.positions[raw:bs].zero_()
-            self.input_ids[raw:bs].zero_()
-            if self.swa_out_cache_loc is not None:
-                self.swa_out_cache_loc[raw:bs].zero_()
-        self.input_ids[:raw].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:raw].copy_(batch.positions, non_blocking=True)
-        self.req_pool_indices[:raw].copy_(batch.req_pool_indices, non_blocking=True)
-        self.seq_lens[:raw].copy_(batch.seq_lens, non_blocking=True)
-        self.out_cache_loc[:raw].copy_(batch.out_cache_loc, non_blocking=True)
+            self.inputs[:, raw:bs].copy_(self._pad.expand(-1, bs - raw))
+        live = batch.decode_inputs
+        if live is None:
+            live = torch.stack([batch.positions, batch.req_pool_indices, batch.seq_lens.long(), batch.out_cache_loc])
+        self.inputs[:, :raw].copy_(live, non_blocking=True)
+
+    def derive(self, bs: int, last_tokens: torch.Tensor, full_to_swa: torch.Tensor | None) -> None:
+        """Compute the derived buffers of rows [0, bs) from `inputs` (graph-capturable: device only).
+        Padded rows read `last_tokens[0]` and `full_to_swa[0]`, both 0 forever."""
+        torch.index_select(last_tokens, 0, self.req_pool_indices[:bs], out=self.input_ids[:bs])
+        self.seq_lens[:bs].copy_(self.seq_lens_i64[:bs])
         if self.swa_out_cache_loc is not None:
             assert full_to_swa is not None
-            # Translated from the live locations on every replay: never memoised across steps.
-            torch.index_select(full_to_swa, 0, self.out_cache_loc[:raw], out=self.swa_out_cache_loc[:raw])
+            torch.index_select(full_to_swa, 0, self.out_cache_loc[:bs], out=self.swa_out_cache_loc[:bs])
 
     def forward_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         """A ForwardBatch viewing the first bs rows (what a captured graph was recorded with)."""

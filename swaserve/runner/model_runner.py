@@ -89,6 +89,10 @@ class ModelRunner:
             attention_backend or default_attention_backend(self.device), kv, req_to_token, full_to_swa, model_config.sliding_window
         )
         self.graph_runner: DecodeGraphRunner | None = None
+        # Row r: the last token sampled for the request in row r of the request table. Decode steps
+        # read their input here, so a step can be launched before the host has seen the previous
+        # step's tokens. Row 0 (padding) is never written and stays 0.
+        self.last_tokens = torch.zeros(req_to_token.max_reqs + 1, dtype=torch.int64, device=self.device)  # [R+1] int64, device
 
     def enable_decode_graphs(self, max_bs: int) -> None:
         """Capture decode for batch sizes up to max_bs: CUDA graphs on a GPU, torch.compile on CPU."""
@@ -103,10 +107,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[batch_size, vocab]` float32 of each request's last new token."""
+        """Logits `[batch_size, vocab]` float32 of each request's last new token. A decode batch
+        reads its inputs from `last_tokens`; one that brings its own (tests, teacher forcing)
+        stores them there first, so the eager and graph paths see the same inputs."""
+        if batch.is_decode:
+            if batch.input_ids is not None:
+                self.last_tokens.index_copy_(0, batch.req_pool_indices, batch.input_ids)
+            else:
+                batch.input_ids = self.last_tokens[batch.req_pool_indices]
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[batch.last_token_indices()])
+
+    @torch.inference_mode()
+    def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Store each request's newly sampled token (`rows`: request-table rows, device) where its
+        next decode step reads its input; enqueued on the device, no host sync."""
+        self.last_tokens.index_copy_(0, rows, tokens)

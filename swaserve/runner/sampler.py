@@ -37,11 +37,13 @@ class SamplingBatch:
     """
 
     vocab_size: int
-    greedy: torch.Tensor  # [bs] bool, device
-    temperatures: torch.Tensor  # [bs] float32, device
-    top_k: torch.Tensor  # [bs] int64, device; vocab_size where disabled
-    top_p: torch.Tensor  # [bs] float32, device
-    min_p: torch.Tensor  # [bs] float32, device
+    batch_size: int
+    # The per-row settings; None in a plain greedy batch (no draw, penalties or logprobs anywhere).
+    greedy: torch.Tensor | None  # [bs] bool, device
+    temperatures: torch.Tensor | None  # [bs] float32, device
+    top_k: torch.Tensor | None  # [bs] int64, device; vocab_size where disabled
+    top_p: torch.Tensor | None  # [bs] float32, device
+    min_p: torch.Tensor | None  # [bs] float32, device
     repetition_penalties: torch.Tensor | None  # [bs] float32, device; None when no row uses it
     presence_penalties: torch.Tensor | None  # [bs] float32, device; None when no row uses penalties
     frequency_penalties: torch.Tensor | None  # [bs] float32, device
@@ -54,10 +56,6 @@ class SamplingBatch:
     need_min_p: bool
     max_num_logprobs: int | None  # largest `logprobs` asked for in the batch; None when nobody asked
 
-    @property
-    def batch_size(self) -> int:
-        return self.greedy.shape[0]
-
     @classmethod
     def build(
         cls,
@@ -67,45 +65,62 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         sample_indices: list[int] | None = None,
+        step_indices: list[int] | None = None,
+        unseen_tokens: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """Build from the live requests' host state, one row per entry of `params`.
 
         Args:
             params: each row's SamplingParams.
-            output_token_ids: tokens generated so far per row; their count is the step number that
-                seeds the row's generator, and they feed the penalties.
+            output_token_ids: tokens generated so far per row, as the host knows them; they feed
+                the penalties.
             prompt_token_ids: prompt tokens per row; read only for rows with a repetition penalty.
             vocab_size: width of the logits.
             device: where the logits live.
             sample_indices: which of a request's `n` completions each row is (default 0), so parallel
                 samples of a seeded request differ from one another.
+            step_indices: which output token of its request each row samples, seeding its generator
+                (default: `len(output_token_ids[i])`, right when the host has seen every earlier token).
+            unseen_tokens: `[bs]` int64 on `device`: an earlier output token of each row that the host
+                has not seen yet (sampled by a step still in flight), -1 where there is none. Counted
+                by the penalties; read only on the device, so building needs no sync.
         """
         bs = len(params)
         assert len(output_token_ids) == bs and len(prompt_token_ids) == bs
         dev = torch.device(device)
+        # Batches usually share a few SamplingParams objects: decide what is needed from those.
+        distinct = list({id(p): p for p in params}.values())
+        if all(p.is_greedy and not p.uses_penalties and p.logprobs is None for p in distinct):
+            return cls(vocab_size, bs, None, None, None, None, None, None, None, None, None, None, [], True,
+                       False, False, False, None)
         samples = sample_indices if sample_indices is not None else [0] * bs
+        steps = step_indices if step_indices is not None else [len(out) for out in output_token_ids]
 
         def put(xs: list[float] | list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
             return _to_device(xs, dtype, dev)  # one host-to-device copy per field
 
         greedy = [p.is_greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        asked = [p.logprobs for p in distinct if p.logprobs is not None]
 
         rep_pen = pres_pen = freq_pen = prompt_mask = counts = None
-        if any(p.repetition_penalty != 1.0 for p in params):
+        if any(p.repetition_penalty != 1.0 for p in distinct):
             rep_pen = put([p.repetition_penalty for p in params], torch.float32)
             # Rows without the penalty contribute no tokens: their mask is never read.
             rows = [ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_token_ids)]
             prompt_mask = _token_counts(rows, vocab_size, dev).bool()
-        if any(p.uses_penalties for p in params):
+        if any(p.uses_penalties for p in distinct):
             pres_pen = put([p.presence_penalty for p in params], torch.float32)
             freq_pen = put([p.frequency_penalty for p in params], torch.float32)
             rows = [ids if p.uses_penalties else [] for p, ids in zip(params, output_token_ids)]
             counts = _token_counts(rows, vocab_size, dev)
+            if unseen_tokens is not None:
+                seen = unseen_tokens >= 0
+                counts.scatter_add_(1, unseen_tokens.clamp(min=0)[:, None], seen.to(torch.int32)[:, None])
 
         return cls(
             vocab_size=vocab_size,
+            batch_size=bs,
             greedy=put(greedy, torch.bool),
             temperatures=put([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
             top_k=put(top_k, torch.int64),
@@ -117,8 +132,8 @@ class SamplingBatch:
             prompt_mask=prompt_mask,
             output_counts=counts,
             seeded_rows=[
-                (i, _row_seed(p.seed, len(out), s))
-                for i, (p, out, s) in enumerate(zip(params, output_token_ids, samples))
+                (i, _row_seed(p.seed, step, s))
+                for i, (p, step, s) in enumerate(zip(params, steps, samples))
                 if p.seed is not None and not p.is_greedy
             ],
             all_greedy=all(greedy),
@@ -157,7 +172,7 @@ class SamplerOutput(NamedTuple):
     depend on the temperature), the same distribution the top-n lists are taken from."""
 
     next_token_ids: torch.Tensor  # [bs] int64, device
-    logprobs: torch.Tensor  # [bs] float32, device: logprob of the sampled token
+    logprobs: torch.Tensor | None  # [bs] float32, device: logprob of the sampled token; None if unasked
     top_logprob_ids: torch.Tensor | None  # [bs, k] int64, device; k = batch max `logprobs`; None if unasked
     top_logprob_vals: torch.Tensor | None  # [bs, k] float32, device
 
@@ -165,6 +180,7 @@ class SamplerOutput(NamedTuple):
         """Per row, {token: logprob} for the top `num_logprobs[i]` tokens plus the sampled one (vLLM
         semantics), or None where the row did not ask. One device-to-host copy per tensor."""
         tokens = self.next_token_ids.tolist()
+        assert self.logprobs is not None, "no row asked for logprobs"
         sampled = self.logprobs.tolist()
         top_ids = self.top_logprob_ids.tolist() if self.top_logprob_ids is not None else None
         top_vals = self.top_logprob_vals.tolist() if self.top_logprob_vals is not None else None
@@ -195,18 +211,16 @@ class Sampler:
 
         next_ids = logits.argmax(dim=-1)  # [bs] int64
         if not batch.all_greedy:
+            assert batch.greedy is not None and batch.temperatures is not None
             sampled = self._draw(self._truncate(logits / batch.temperatures[:, None], batch), batch)
             next_ids = torch.where(batch.greedy, next_ids, sampled)
-
-        top_ids = top_vals = None
-        # Full [bs, vocab] log-probs only when someone asked for top-n; the sampled token's logprob
-        # needs just the normaliser (no vocab-wide write on every decode step).
+        if batch.max_num_logprobs is None:
+            return SamplerOutput(next_ids, None, None, None)
+        # No [bs, vocab] log-softmax: the top-n and the sampled token need just the normaliser.
         log_z = torch.logsumexp(logits, dim=-1)  # [bs] float32
-        if batch.max_num_logprobs is not None:
-            top_vals, top_ids = logits.topk(batch.max_num_logprobs, dim=-1)
-            top_vals = top_vals - log_z[:, None]
+        top_vals, top_ids = logits.topk(batch.max_num_logprobs, dim=-1)
         chosen = logits.gather(1, next_ids[:, None]).squeeze(1) - log_z
-        return SamplerOutput(next_ids, chosen, top_ids, top_vals)
+        return SamplerOutput(next_ids, chosen, top_ids, top_vals - log_z[:, None])
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

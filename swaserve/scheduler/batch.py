@@ -33,22 +33,21 @@ class ScheduleBatch:
     def sample_indices(self) -> list[int]:
         return [i for i, s in enumerate(self.sample) if s]
 
-    def to_forward_batch(self, device: torch.device | str) -> ForwardBatch:
+    def to_forward_batch(self, device: torch.device | str, host_decode_inputs: bool = False) -> ForwardBatch:
+        """`host_decode_inputs`: give a decode batch its input ids from the host (each request's
+        last known token), for drivers that sample on the host and never fill the runner's table;
+        only right when no step is in flight."""
+        seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        rows = [r.row for r in self.reqs]
+        if self.mode is ForwardMode.DECODE and not host_decode_inputs:
+            # Inputs are the last sampled tokens, read on the device (the host may not have them yet).
+            return ForwardBatch.build(self.mode, None, self.prefix_lens, rows, seq_lens,  # type: ignore[arg-type]
+                                      self.out_cache_loc, device)
         input_ids: list[int] = []
         positions: list[int] = []
         for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
             input_ids.extend(r.ids[p : p + n])
             positions.extend(range(p, p + n))
-        seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
-        is_extend = self.mode is ForwardMode.EXTEND
-        return ForwardBatch.build(
-            self.mode,
-            input_ids,
-            positions,
-            [r.row for r in self.reqs],  # type: ignore[misc]
-            seq_lens,
-            self.out_cache_loc,
-            device,
-            extend_prefix_lens=list(self.prefix_lens) if is_extend else None,
-            extend_seq_lens=list(self.extend_lens) if is_extend else None,
-        )
+        return ForwardBatch.build(self.mode, input_ids, positions, rows, seq_lens, self.out_cache_loc,  # type: ignore[arg-type]
+                                  device, extend_prefix_lens=list(self.prefix_lens),
+                                  extend_seq_lens=list(self.extend_lens))

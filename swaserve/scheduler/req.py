@@ -20,9 +20,12 @@ class ReqStatus(enum.Enum):
 class Req:
     """One sequence (a request with n > 1 becomes n of these).
 
-    Invariants: positions [0, kv_len) have K/V in the pools through row `row`; positions
-    [0, swa_evicted) have had their SWA slots freed; an unfinished request always has at least one
-    token without K/V (`kv_len < len(ids)`): the next query.
+    Invariants: positions [0, kv_len) have K/V in the pools through row `row`, written by steps
+    already launched (kv_len advances when a step is scheduled, not when it completes); positions
+    [0, swa_evicted) have had their SWA slots freed; `inflight` tokens were sampled by launched
+    steps whose results the host has not seen yet (one per such step, so at most 2 with one step
+    in flight and the next scheduled; their values are on the device, in the runner's last-token
+    table). An unfinished request always has a next query: `kv_len < len(ids) + inflight`.
     """
 
     rid: str
@@ -42,6 +45,7 @@ class Req:
     finish_reason: str | None = None
     output_logprobs: list[dict[int, float]] | None = None
     num_retractions: int = 0
+    inflight: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # timing for metrics
 
     @property
@@ -54,8 +58,20 @@ class Req:
 
     @property
     def pending(self) -> int:
-        """Tokens still without K/V; > 1 means prefill work is left."""
-        return len(self.ids) - self.kv_len
+        """Tokens (known or in flight) no step has been scheduled to compute K/V for; > 1 means
+        prefill work is left."""
+        return len(self.ids) + self.inflight - self.kv_len
+
+    @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, the ones still in flight included."""
+        return len(self.ids) + self.inflight - self.prompt_len
+
+    def needs_decode(self, max_context: int) -> bool:
+        """Whether another decode step is useful: False once the tokens sampled so far (in flight
+        included) already reach max_tokens or the context limit, so the request ends by length as
+        soon as they are processed."""
+        return self.num_sampled < self.params.max_tokens and len(self.ids) + self.inflight < max_context
 
     @property
     def finished(self) -> bool:

@@ -34,6 +34,12 @@ class Scheduler:
     get a slot per request, the most recently admitted requests are retracted (memory freed,
     re-queued at the front, recomputed later with their output so far), so no request starves and
     a lone request always fits (admission checks it against the whole pool).
+
+    Overlap: `schedule()` may run while the previous step is still on the device. It commits K/V
+    lengths at schedule time and needs no sampled token values (a decode reads its input token on
+    the device); a request that ends by EOS or a stop string in the step in flight may be scheduled
+    once more, and that step's result for it is dropped. Memory freed meanwhile may be handed out
+    again at once: every later write to it is enqueued after the launched steps that read it.
     """
 
     def __init__(
@@ -81,8 +87,6 @@ class Scheduler:
         """Finish every sequence of `group_id` at whatever stage it is, freeing its memory."""
         hit = [r for r in (*self.waiting, *self.running) if r.group_id == group_id]
         for r in hit:
-            if r.status is ReqStatus.WAITING:
-                self.waiting.remove(r)
             r.finish_reason = "abort"
             self._finish(r)
         return hit
@@ -101,11 +105,12 @@ class Scheduler:
         prefix: list[int] = []
         ext: list[int] = []
         locs: list[torch.Tensor] = []
+        sample: list[bool] = []
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if req.row is None and (
-                len(self.running) + len(reqs) >= self.config.max_running_requests or not self.table.available()
-            ):
+            if req.inflight:
+                break  # retracted while its last token was in flight: recompute once the host has it
+            if req.row is None and (len(self.running) >= self.config.max_running_requests or not self.table.available()):
                 break
             reserve = 0
             if req.kv_len == 0:
@@ -130,53 +135,72 @@ class Scheduler:
             ext.append(n)
             locs.append(slots)
             budget -= n
-            if n < req.pending:
+            req.kv_len += n
+            if req.pending:
+                sample.append(False)
                 break  # the chunked request stays at the head; nobody overtakes it
+            # The prompt is complete: its last token samples, and the request decodes from the
+            # next step on (reading that token on the device if the host has not seen it yet).
             self.waiting.popleft()
+            sample.append(True)
+            req.inflight += 1
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
         if not reqs:
             return None
-        sample = [p + n == len(r.ids) for r, p, n in zip(reqs, prefix, ext)]
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, torch.cat(locs), sample)
 
     def _schedule_decode(self) -> ScheduleBatch | None:
-        if not self.running:
+        # Requests whose in-flight tokens already end them by length sit this step out.
+        reqs = [r for r in self.running if r.needs_decode(self.max_context)]
+        if not reqs:
             return None
-        while self.allocator.available() < len(self.running):
-            if len(self.running) > 1:
-                self._retract(self.running.pop())
-            else:  # a lone running request fits alone (admission checked): take back the prefill's memory
-                head = self.waiting[0] if self.waiting else None
-                assert head is not None and head.kv_len > 0, "a lone request always fits (checked at admission)"
-                self._retract(self.waiting.popleft())
-        bs = len(self.running)
+        while self.allocator.available() < len(reqs):
+            if len(reqs) > 1:
+                victim = reqs.pop()
+                self.running.remove(victim)
+                self._retract(victim)
+            elif self.waiting and self.waiting[0].kv_len > 0:
+                self._retract(self.waiting.popleft())  # a lone request takes back the prefill's memory
+            else:
+                # Only memory of requests that finish when the step in flight is processed is
+                # missing (a lone request always fits: checked at admission); wait for it.
+                assert len(reqs) < len(self.running), "a lone request always fits (checked at admission)"
+                return None
+        bs = len(reqs)
         slots = self.allocator.alloc(bs)
         assert slots is not None
-        reqs = list(self.running)
-        self.table.write_tokens([r.row for r in reqs], [r.kv_len for r in reqs], slots)  # type: ignore[misc]
-        return ScheduleBatch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * bs, slots, [True] * bs)
+        prefix = [r.kv_len for r in reqs]
+        self.table.write_tokens([r.row for r in reqs], prefix, slots)  # type: ignore[misc]
+        for r in reqs:
+            r.kv_len += 1
+            r.inflight += 1
+        return ScheduleBatch(ForwardMode.DECODE, reqs, prefix, [1] * bs, slots, [True] * bs)
 
     # -- results -----------------------------------------------------------------------------
 
     def process_output(
         self, batch: ScheduleBatch, tokens: list[int], logprobs: list[dict[int, float] | None] | None = None
     ) -> list[Req]:
-        """Commit the step: advance kv_len, append sampled tokens (aligned with
-        `batch.sample_indices()`), finish what is done, free out-of-window SWA slots."""
-        for r, n in zip(batch.reqs, batch.extend_lens):
-            r.kv_len += n
+        """Commit a launched step's sampled tokens (aligned with `batch.sample_indices()`): append
+        them, finish what is done, free out-of-window SWA slots. K/V lengths already advanced when
+        the step was scheduled. Requests aborted since the launch are skipped; a request retracted
+        since then keeps its token (it was computed before the memory was taken back)."""
         progressed: list[Req] = []
         for j, i in enumerate(batch.sample_indices()):
             r = batch.reqs[i]
+            if r.finished:
+                continue
+            r.inflight -= 1
             r.append_token(tokens[j], logprobs[j] if logprobs else None, self.max_context)
-            if r.status is ReqStatus.WAITING:
-                r.status = ReqStatus.RUNNING
-                self.running.append(r)
             if r.finish_reason is not None:
                 self._finish(r)
             progressed.append(r)
-        for r in batch.reqs:
-            if not r.finished:
-                self._evict_swa(r)
+        if self.evictor is not None:
+            due = self.evictor.threshold
+            for r in batch.reqs:
+                if r.kv_len - r.swa_evicted >= due and not r.finished:
+                    self._evict_swa(r)
         return progressed
 
     # -- memory ------------------------------------------------------------------------------
@@ -201,6 +225,8 @@ class Scheduler:
         self._release(req)
         if req.status is ReqStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
         req.status = ReqStatus.FINISHED
 
     def _retract(self, req: Req) -> None:
@@ -225,3 +251,4 @@ class Scheduler:
         mid = [r for r in self.waiting if r.kv_len > 0]
         assert len(mid) <= 1 and (not mid or mid[0] is self.waiting[0]), "more than one mid-prefill request"
         assert all(r.status is ReqStatus.RUNNING and r.pending == 1 for r in self.running)
+        assert all(0 <= r.inflight <= 2 for r in (*self.waiting, *self.running)), "one token per launched step"

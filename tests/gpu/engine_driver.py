@@ -27,7 +27,7 @@ def forward(rt: Any, device: str) -> tuple[ScheduleBatch, torch.Tensor]:
     the rows that sample, as a copy: a graph replay's output buffer is overwritten by the next one."""
     batch = rt.scheduler.schedule()
     assert batch is not None, "scheduler has unfinished requests but scheduled nothing"
-    logits = rt.runner.forward(batch.to_forward_batch(device))
+    logits = rt.runner.forward(batch.to_forward_batch(device, host_decode_inputs=True))
     idx = batch.sample_indices()
     return batch, logits[idx] if idx else logits[:0].clone()
 

@@ -41,7 +41,7 @@ def make_runtime(path, graphs: bool, compile_backend: str):
 
 def step(rt) -> tuple[str, list[int]]:
     batch = rt.scheduler.schedule()
-    logits = rt.runner.forward(batch.to_forward_batch("cpu"))
+    logits = rt.runner.forward(batch.to_forward_batch("cpu", host_decode_inputs=True))
     idx = batch.sample_indices()
     tokens = logits[idx].argmax(-1).tolist() if idx else []
     rt.scheduler.process_output(batch, tokens)
@@ -67,8 +67,11 @@ def live_kv(rt) -> dict[str, tuple[torch.Tensor, ...]]:
     return out
 
 
-@pytest.mark.parametrize("compile_backend, exact", [("eager", True), ("inductor", False)])
-def test_shrinking_and_growing_decode_batches_match_eager(tmp_path, compile_backend, exact):
+# Not bit-exact: a CPU GEMM may round a row differently at M=9 than at the padded M=16 (seen with
+# the same torch build on two machines: identical on one, 1e-6 apart on the other). Corruption by a
+# padded row shows up as NaN (poisoned slots) or as a wrong token, not as 1e-6.
+@pytest.mark.parametrize("compile_backend", ["eager", "inductor"])
+def test_shrinking_and_growing_decode_batches_match_eager(tmp_path, compile_backend):
     make_hf_model("gemma3", tmp_path, seed=3)  # window 8: decodes cross it many times
     eager, graph = make_runtime(tmp_path, False, "eager"), make_runtime(tmp_path, True, compile_backend)
     g = torch.Generator().manual_seed(0)
@@ -106,10 +109,7 @@ def test_shrinking_and_growing_decode_batches_match_eager(tmp_path, compile_back
         for rid in kv_e:
             for a, b in zip(kv_e[rid], kv_g[rid]):
                 assert not torch.isnan(b).any(), f"{rid}: a live K/V row is poisoned (step {phase})"
-                if exact:
-                    assert torch.equal(a, b), f"{rid}: K/V differ from eager at step {phase}"
-                else:
-                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{rid}: K/V differ at step {phase}")
         graph.scheduler.check_integrity()
     order = [s for i, s in enumerate(seen_sizes) if i == 0 or s != seen_sizes[i - 1]]
     assert order[:1] == [12] and [12, 9] == order[:2], order

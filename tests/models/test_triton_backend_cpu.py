@@ -44,7 +44,7 @@ def test_triton_backend_matches_torch_native(tmp_path):
         batches = [rt.scheduler.schedule() for rt in (ref, tri)]
         assert [r.rid for r in batches[0].reqs] == [r.rid for r in batches[1].reqs]
         modes.add(batches[0].mode.value)
-        logits = [rt.runner.forward(b.to_forward_batch("cpu")) for rt, b in zip((ref, tri), batches)]
+        logits = [rt.runner.forward(b.to_forward_batch("cpu", host_decode_inputs=True)) for rt, b in zip((ref, tri), batches)]
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
         idx = batches[0].sample_indices()
         tokens = logits[0][idx].argmax(-1).tolist() if idx else []  # both follow the oracle's tokens

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from swaserve.config import SchedulerConfig
 from swaserve.memory import ReqToTokenPool, SWAEvictor, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from swaserve.runner.forward_batch import ForwardMode
+from swaserve.scheduler.batch import ScheduleBatch
 from swaserve.scheduler.req import Req
 from swaserve.scheduler.scheduler import Scheduler
 
@@ -41,25 +42,76 @@ def make_scheduler(full: int, swa: int | None, window: int, chunk: int, max_runn
     return Scheduler(cfg, ctx, table, alloc, ev)
 
 
+class FakeDevice:
+    """Runs scheduled steps the way the engine does. With `overlap`, step N+1 is scheduled and
+    launched before step N's tokens reach the scheduler; the 'device' knows every token it sampled
+    at once (`unseen`: sampled, not yet processed), the host only after processing."""
+
+    def __init__(self, s: Scheduler, overlap: bool):
+        self.s, self.overlap = s, overlap
+        self.unseen: dict[str, list[int]] = {}
+        self.inflight: tuple[ScheduleBatch, list[int]] | None = None
+        self.seen_positions: dict[str, set[int]] = {}
+
+    def busy(self) -> bool:
+        return self.s.has_unfinished() or self.inflight is not None
+
+    def step(self) -> ScheduleBatch | None:
+        batch = self.s.schedule()
+        launched = self._launch(batch) if batch is not None else None
+        done, self.inflight = (self.inflight, launched) if self.overlap else (launched, None)
+        if done is not None:
+            self._process(*done)
+        return batch
+
+    def _launch(self, batch: ScheduleBatch) -> tuple[ScheduleBatch, list[int]]:
+        assert batch.num_tokens <= max(self.s.config.max_prefill_tokens, len(batch.reqs))
+        tokens = []
+        for r, p, n, sample in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+            history = r.ids + self.unseen.get(r.rid, [])  # what the device knows of the sequence
+            assert p + n == r.kv_len and p + n <= len(history), "computes only tokens that exist"
+            if batch.mode is ForwardMode.DECODE:
+                assert n == 1 and p == len(history) - 1 and r.pending == 1, "decode reads the last token"
+            self.seen_positions.setdefault(r.rid, set()).update(range(p, p + n))
+            if sample:
+                assert p + n == len(history), "a step samples only after the last token"
+                tokens.append(fake_next_token(history))
+                self.unseen.setdefault(r.rid, []).append(tokens[-1])
+        return batch, tokens
+
+    def _process(self, batch: ScheduleBatch, tokens: list[int]) -> None:
+        for i in batch.sample_indices():
+            self.unseen[batch.reqs[i].rid].pop(0)
+        self.s.process_output(batch, tokens)
+
+
 def run_step(s: Scheduler, seen_positions: dict[str, set[int]]) -> None:
-    batch = s.schedule()
-    if batch is None:
-        return
-    for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-        assert p == r.kv_len and p + n <= len(r.ids)
-        if batch.mode is ForwardMode.DECODE:
-            assert n == 1 and r.pending == 1
-        seen_positions.setdefault(r.rid, set()).update(range(p, p + n))
-    assert batch.num_tokens <= max(s.config.max_prefill_tokens, len(batch.reqs))
-    tokens = [fake_next_token(batch.reqs[i].ids) for i in batch.sample_indices()]
-    s.process_output(batch, tokens)
+    dev = FakeDevice(s, overlap=False)
+    dev.seen_positions = seen_positions
+    dev.step()
+
+
+def check_outputs(reqs: list[Req]) -> None:
+    """Chunking, retraction and overlap never change a result, and nothing runs past its end."""
+    for r in reqs:
+        if r.finish_reason == "abort":
+            continue
+        for k in range(r.prompt_len, len(r.ids)):
+            assert r.ids[k] == fake_next_token(r.ids[:k])
+        stops = set(r.params.stop_token_ids or [])
+        out = r.output_ids
+        assert not stops.intersection(out[:-1]), "tokens after a stop token"
+        if r.finish_reason == "stop":
+            assert out[-1] in stops
+        else:
+            assert r.finish_reason == "length" and r.num_output == r.params.max_tokens
 
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 20)),
-        st.tuples(st.just("abort"), st.integers(0, 40), st.just(0)),
-        st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 20), st.booleans()),
+        st.tuples(st.just("abort"), st.integers(0, 40), st.just(0), st.just(False)),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(False)),
     ),
     min_size=1,
     max_size=40,
@@ -67,15 +119,18 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, hybrid=st.booleans(), swa=st.integers(16, 40), chunk=st.integers(3, 16), max_running=st.integers(1, 5))
-def test_random_workloads_keep_integrity_and_free_everything(ops, hybrid, swa, chunk, max_running):
+@given(ops=ops, hybrid=st.booleans(), swa=st.integers(16, 40), chunk=st.integers(3, 16), max_running=st.integers(1, 5),
+       overlap=st.booleans())
+def test_random_workloads_keep_integrity_and_free_everything(ops, hybrid, swa, chunk, max_running, overlap):
     window = 4
     s = make_scheduler(full=60, swa=swa if hybrid else None, window=window, chunk=chunk, max_running=max_running)
+    dev = FakeDevice(s, overlap)
     reqs: list[Req] = []
-    seen: dict[str, set[int]] = {}
-    for op, a, b in ops:
+    for op, a, b, stops in ops:
         if op == "add":
-            r = Req(f"r{len(reqs)}", f"r{len(reqs)}", 0, a, [(a * 7 + k) % VOCAB for k in range(a)], Params(b), 0, frozenset())
+            # Stop tokens (one in ten of the vocabulary) end requests in the middle of a step in flight.
+            params = Params(b, stop_token_ids=list(range(0, VOCAB, 10)) if stops else None)
+            r = Req(f"r{len(reqs)}", f"r{len(reqs)}", 0, a, [(a * 7 + k) % VOCAB for k in range(a)], params, 0, frozenset())
             try:
                 s.add(r)
                 reqs.append(r)
@@ -85,45 +140,42 @@ def test_random_workloads_keep_integrity_and_free_everything(ops, hybrid, swa, c
             s.abort(reqs[a % len(reqs)].group_id)
         else:
             for _ in range(a):
-                run_step(s, seen)
+                dev.step()
                 s.check_integrity()
     for _ in range(2000):
-        if not s.has_unfinished():
+        if not dev.busy():
             break
-        run_step(s, seen)
+        dev.step()
         s.check_integrity()
-    assert not s.has_unfinished(), "no progress: a request starved"
+    assert not dev.busy(), "no progress: a request starved"
     s.check_integrity()
     alloc = s.allocator
     full = getattr(alloc, "full", alloc)
     assert full.available() == 60, "every full slot freed"
     if hybrid:
         assert alloc.swa.available() == swa, "every SWA slot freed"
-    for r in reqs:
-        if r.finish_reason == "abort":
-            continue
-        assert r.finish_reason == "length" and r.num_output == r.params.max_tokens
-        for k in range(r.prompt_len, len(r.ids)):  # retraction and chunking never change the result
-            assert r.ids[k] == fake_next_token(r.ids[:k])
+    check_outputs(reqs)
 
 
-def test_chunked_prefill_and_retraction_happen():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chunked_prefill_and_retraction_happen(overlap):
     s = make_scheduler(full=40, swa=24, window=4, chunk=5, max_running=4)
     reqs = [Req(f"r{i}", f"r{i}", 0, 12, list(range(1 + i, 13 + i)), Params(18), 0, frozenset()) for i in range(3)]
     for r in reqs:
         s.add(r)
     modes = []
-    seen: dict[str, set[int]] = {}
-    while s.has_unfinished():
-        b = s.schedule()
-        modes.append((b.mode, b.num_tokens))
-        s.process_output(b, [fake_next_token(b.reqs[i].ids) for i in b.sample_indices()])
+    dev = FakeDevice(s, overlap)
+    while dev.busy():
+        b = dev.step()
+        if b is not None:
+            modes.append((b.mode, b.num_tokens))
         s.check_integrity()
         for r in s.running:  # the SWA bound holds for every running request
             assert r.kv_len - r.swa_evicted <= s.evictor.max_held()
     assert max(n for m, n in modes if m is ForwardMode.EXTEND) <= 5
     assert s.retractions_total > 0, "3 x 30 tokens cannot fit in 40 slots at once"
     assert all(r.num_output == 18 for r in reqs)
+    check_outputs(reqs)
 
 
 def test_request_that_can_never_fit_is_rejected():

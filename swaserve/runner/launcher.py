@@ -1,0 +1,100 @@
+"""StepLauncher: puts one scheduled step on the device without waiting for it (model, sampling, the
+last-token table, an asynchronous copy of the sampled tokens to the host); `LaunchedStep.wait()`
+collects the result. With one step in flight the host schedules the next while the device works."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from swaserve.runner.sampler import Sampler, SamplerOutput, SamplingBatch
+
+if TYPE_CHECKING:
+    from swaserve.runner.model_runner import ModelRunner
+    from swaserve.scheduler.batch import ScheduleBatch
+    from swaserve.scheduler.req import Req
+
+
+@dataclass
+class LaunchedStep:
+    """A step on its way through the device. `reqs` are the requests that sample, in the order of
+    `batch.sample_indices()`; `out` holds host tensors that are valid once `ready` has fired."""
+
+    batch: ScheduleBatch
+    reqs: list[Req]
+    asked: list[int | None]  # each sampling row's `logprobs` setting
+    out: SamplerOutput | None  # on the host (pinned on CUDA); None when no row samples
+    ready: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
+
+    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
+        """Block until the step is done; its sampled tokens and, if any row asked, logprobs."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.out is None:
+            return [], None
+        tokens = self.out.next_token_ids.tolist()
+        if all(a is None for a in self.asked):
+            return tokens, None
+        return tokens, self.out.logprob_dicts(self.asked)
+
+
+class StepLauncher:
+    """Launches scheduled steps on the runner's device: the only code that moves sampled tokens
+    between the device and the host. Nothing here waits on the device."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None):
+        self.runner = runner
+        self.sampler = sampler or Sampler()
+        self.device = runner.device
+        self.vocab_size = runner.model_config.vocab_size
+
+    def launch(self, batch: ScheduleBatch) -> LaunchedStep:
+        fb = batch.to_forward_batch(self.device)
+        logits = self.runner.forward(fb)  # [bs, vocab] float32
+        idx = batch.sample_indices()
+        if not idx:
+            return LaunchedStep(batch, [], [], None, None)
+        reqs = [batch.reqs[i] for i in idx]
+        rows = fb.req_pool_indices
+        if len(idx) != len(batch.reqs):
+            sel = _to_device(idx, self.device)
+            logits, rows = logits[sel], rows[sel]
+        params = [r.params for r in reqs]
+        penalties = any(p.uses_penalties for p in {id(p): p for p in params}.values())
+        none: list[list[int]] = [[]] * len(reqs)  # token lists are read only for penalties
+        sb = SamplingBatch.build(
+            params,
+            [r.output_ids for r in reqs] if penalties else none,
+            [r.ids[: r.prompt_len] for r in reqs] if penalties else none,
+            self.vocab_size,
+            self.device,
+            sample_indices=[r.index for r in reqs],
+            # This step's token is already counted in `inflight`; an earlier one may be too.
+            step_indices=[r.num_sampled - 1 for r in reqs],
+            unseen_tokens=self._unseen_tokens(reqs, rows) if penalties else None,
+        )
+        out = self.sampler(logits, sb)
+        self.runner.record_sampled(rows, out.next_token_ids)
+        asked = [p.logprobs for p in params]
+        if self.device.type != "cuda":
+            return LaunchedStep(batch, reqs, asked, out, None)
+        host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None for t in out))
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(batch, reqs, asked, host, ready)
+
+    def _unseen_tokens(self, reqs: list[Req], rows: torch.Tensor) -> torch.Tensor | None:
+        """`[n]` int64, device: the token each row sampled in the step still in flight (its input
+        now, so the last-token table holds it), -1 where the host has seen every token."""
+        pending = [r.inflight > 1 for r in reqs]
+        if not any(pending):
+            return None
+        last = self.runner.last_tokens[rows]
+        return torch.where(_to_device(pending, self.device), last, torch.full_like(last, -1))
+
+
+def _to_device(xs: list, dev: torch.device) -> torch.Tensor:
+    t = torch.tensor(xs)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t

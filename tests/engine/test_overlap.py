@@ -1,0 +1,94 @@
+"""Overlap scheduling on the embedded Gemma 3 270M (CPU): an engine that schedules step N+1 before
+it has seen step N's tokens gives the same results as one that waits, through chunked prefill,
+retraction, stop strings, EOS, penalties, seeds, logprobs and n > 1, and leaves clean pools."""
+
+from __future__ import annotations
+
+import pytest
+
+from swaserve import SamplingParams
+from swaserve.engine import Engine
+from swaserve.loader import LoadedModel
+
+from engine_prompts import prompt_of
+
+
+def twin_engine(llm, overlap: bool, **options) -> Engine:
+    """An engine over the session model's weights (no second load)."""
+    e = llm.engine
+    loaded = LoadedModel(e.model_config, e.runner.model, e.tokenizer, e.model_name)
+    return Engine(loaded, device="cpu", overlap_schedule=overlap, **options)
+
+
+def run_all(engine: Engine, requests: list[tuple[str, object, SamplingParams]]) -> dict:
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+            engine.scheduler.check_integrity()
+    assert not engine.has_unfinished()
+    return done
+
+
+def workload(long_ids: list[int]) -> list[tuple[str, object, SamplingParams]]:
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [
+        ("greedy-long", prompt_of(long_ids, 700), greedy),
+        ("greedy-short", prompt_of(long_ids, 20, 3), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
+        ("seeded", "Once upon a time", SamplingParams(temperature=0.9, top_p=0.9, max_tokens=30, seed=11)),
+        ("penalties", prompt_of(long_ids, 90, 5), SamplingParams(temperature=0.7, seed=3, max_tokens=30,
+                                                                 frequency_penalty=0.8, presence_penalty=0.4,
+                                                                 repetition_penalty=1.3, ignore_eos=True)),
+        ("greedy-penalty", prompt_of(long_ids, 60, 9), SamplingParams(temperature=0, max_tokens=30,
+                                                                      frequency_penalty=1.5, ignore_eos=True)),
+        ("logprobs-n", "The colour of the sky is", SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=12,
+                                                                  logprobs=2)),
+        ("stop", "1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=30, stop=[" 9"])),
+        ("eos", "Question: what is 2+2?\nAnswer:", SamplingParams(temperature=0, max_tokens=60)),
+        ("one-token", prompt_of(long_ids, 300, 1), SamplingParams(temperature=0, max_tokens=1)),
+    ]
+
+
+@pytest.mark.parametrize("options", [dict(max_prefill_tokens=256), dict(kv_cache_bytes=36 << 20, swa_full_tokens_ratio=1.0, max_prefill_tokens=256)],
+                         ids=["chunked", "retracting"])
+def test_overlap_matches_waiting_engine(llm, long_ids, options):
+    reqs = workload(long_ids)
+    sync = run_all(twin_engine(llm, False, **options), reqs)
+    ov_engine = twin_engine(llm, True, **options)
+    ov = run_all(ov_engine, reqs)
+    assert sync.keys() == ov.keys() == {rid for rid, _, _ in reqs}
+    for rid in sync:
+        for a, b in zip(sync[rid].outputs, ov[rid].outputs):
+            assert a.token_ids == b.token_ids, rid
+            assert a.text == b.text and a.finish_reason == b.finish_reason, rid
+            assert (a.logprobs is None) == (b.logprobs is None), rid
+            for da, db in zip(a.logprobs or [], b.logprobs or []):
+                assert da.keys() == db.keys() and all(abs(da[t] - db[t]) < 1e-4 for t in da), rid
+    assert sync["stop"].outputs[0].finish_reason == "stop"
+    if "kv_cache_bytes" in options:
+        assert ov_engine.stats.retractions_total > 0, "the small pool must force retractions"
+    s = ov_engine.memory_stats()
+    assert s["full_tokens_used"] == 0 and s["swa_tokens_used"] == 0 and s["running"] == s["waiting"] == 0
+
+
+def test_overlap_reports_one_step_late_and_abort_mid_flight_frees_memory(llm, long_ids):
+    engine = twin_engine(llm, True)
+    engine.add_request("a", prompt_of(long_ids, 50), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert engine.step() == [], "the first step is launched, not yet reported"
+    first = engine.step()
+    assert len(first) == 1 and len(first[0].outputs[0].token_ids) == 1
+    engine.add_request("b", "Hello", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()  # b's prefill is launched while a's token is in flight
+    engine.abort("b")
+    engine.abort("a")
+    assert engine.has_unfinished(), "the step in flight still has to be drained"
+    assert engine.step() == [], "results of aborted requests are dropped"
+    assert not engine.has_unfinished()
+    engine.scheduler.check_integrity()
+    s = engine.memory_stats()
+    assert s["full_tokens_used"] == 0 and s["swa_tokens_used"] == 0
