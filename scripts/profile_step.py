@@ -66,6 +66,15 @@ def main() -> None:
         t4 = time.perf_counter()
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             parts[k] += v / n * 1e3
+    import cProfile
+    import pstats
+
+    prof_host = cProfile.Profile()
+    prof_host.enable()
+    per_step_ms(e, 50)
+    prof_host.disable()
+    print("host functions over 50 waiting steps (tottime):", flush=True)
+    pstats.Stats(prof_host).sort_stats("tottime").print_stats(14)
     gr = e.runner.graph_runner
     graph_bs = padded_batch_size(bs, gr.sizes)
     torch.cuda.synchronize()

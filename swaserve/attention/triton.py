@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.attention.base import AttentionBackend, AttentionSpec
+from swaserve.h2d import to_device
 from swaserve.kernels import (
     build_kv_indices,
     decode_attention,
@@ -117,8 +118,8 @@ class TritonAttnBackend(AttentionBackend):
             ext = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32)
             qo = torch.zeros(bs + 1, dtype=torch.int32)
             qo[1:] = ext.cumsum(0)
-            meta.qo_indptr = qo.to(self.device, non_blocking=True)
-            meta.prefix_lens = prefix.to(self.device, non_blocking=True)
+            meta.qo_indptr = to_device(qo, self.device)
+            meta.prefix_lens = to_device(prefix, self.device)
             meta.max_extend_len = max(batch.extend_seq_lens_cpu)
             kv_lens = first_q = meta.prefix_lens  # the earliest query of request b is at prefix_len_b
             full_cap = sum(batch.extend_prefix_lens_cpu)

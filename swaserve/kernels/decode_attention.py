@@ -175,17 +175,20 @@ def _decode_stage2(
 
 def num_kv_splits_for(
     bs: int, num_heads: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
-    block_n: int = 64, max_splits: int = 64,
+    block_n: int = 32, max_splits: int = 64,
 ) -> int:
     """Host-side split count for one graph batch size (static inputs only, so it can be frozen
     into a capture): one split once bs * kv-head programs fill the SMs (the stage-2 pass then
-    costs more than it saves), else about two waves, never splits shorter than 2 * block_n.
-    Pass `max_kv_len` = the window for SWA layers, the context limit for full layers."""
+    costs more than it saves), else about two waves of programs, down to one `block_n` block of
+    keys per split. Pass `max_kv_len` = the window for SWA layers, the context limit for full ones.
+
+    From an H100 sweep (benchmarks/decode_attention_sweep.py, graph-timed, Gemma 3 1B/4B heads):
+    at 1-16 requests, splits of one 32-key block beat 128-key splits by 10-25%."""
     group = num_heads // num_kv_heads
     programs = bs * num_kv_heads * triton.cdiv(group, min(64, max(16, triton.next_power_of_2(group))))
     if programs >= num_sms:
         return 1
-    return max(1, min(max_splits, triton.cdiv(2 * num_sms, programs), triton.cdiv(max_kv_len, 2 * block_n)))
+    return max(1, min(max_splits, triton.cdiv(2 * num_sms, programs), triton.cdiv(max_kv_len, block_n)))
 
 
 def decode_attention(
@@ -223,7 +226,12 @@ def decode_attention(
     if bs == 0:
         return out
     group = H // HKV
-    block_n = block_n or (32 if max(DK, DV) > 256 else 64)
+    # Launch settings from the H100 sweep: split programs are short (one or two 32-key blocks),
+    # a direct program streams its whole list with wider tiles and a deeper pipeline.
+    split, big = num_kv_splits > 1, max(DK, DV) > 256
+    block_n = block_n or (32 if split or big else 64)
+    num_warps = num_warps or (4 if split or big else 8)
+    num_stages = num_stages or (2 if split or big else 3)
     block_h = block_h or min(64, max(16, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
     if min_split_len % block_n:
@@ -240,11 +248,7 @@ def decode_attention(
         mid_o = mid_lse = out  # unused
     upcast, prec = dot_flags(q.dtype)
     sinks_arg = sinks if sinks is not None else q
-    kw = {}
-    if num_warps is not None:
-        kw["num_warps"] = num_warps
-    if num_stages is not None:
-        kw["num_stages"] = num_stages
+    kw = {"num_warps": num_warps, "num_stages": num_stages}
     _decode_stage1[(bs, HKV * head_blocks, num_kv_splits)](
         q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks_arg,
         scaling, logit_softcap if logit_softcap else 1.0,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from swaserve.h2d import to_device
+
 
 class ReqToTokenPool:
     """Rows of full-pool slot indices, one row per live request.
@@ -55,7 +57,7 @@ class ReqToTokenPool:
         host = slots.to(device="cpu", dtype=torch.int32)
         self._host[row, start:end] = host
         if self._host is not self.req_to_token:
-            self.req_to_token[row, start:end].copy_(host, non_blocking=True)
+            self.req_to_token[row, start:end].copy_(to_device(host, self.device))
 
     def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """Record one slot per (row, position) pair in one copy: the decode step's table update."""
@@ -66,8 +68,8 @@ class ReqToTokenPool:
         host = slots.to(device="cpu", dtype=torch.int32)
         self._host[r, p] = host
         if self._host is not self.req_to_token:
-            dev = self.req_to_token.device
-            self.req_to_token[r.to(dev, non_blocking=True), p.to(dev, non_blocking=True)] = host.to(dev, non_blocking=True)
+            dev = to_device(torch.stack([r, p, host.to(torch.int64)]), self.device)  # one copy: [3, n]
+            self.req_to_token[dev[0], dev[1]] = dev[2].to(torch.int32)
 
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Full-pool slots of positions start .. end-1 (int64, cpu), read from the host mirror."""

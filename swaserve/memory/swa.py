@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from swaserve.h2d import to_device
 from swaserve.memory.allocator import TokenToKVPoolAllocator
 from swaserve.memory.kv_pool import KVPool
 
@@ -132,7 +133,8 @@ class SWATokenToKVPoolAllocator:
     def _set_mapping(self, full: torch.Tensor, swa: torch.Tensor) -> None:
         self.full_to_swa[full] = swa
         if self.full_to_swa_device.data_ptr() != self.full_to_swa.data_ptr():
-            self.full_to_swa_device[full.to(self.device, non_blocking=True)] = swa.to(self.device, torch.int32, non_blocking=True)
+            dev = to_device(torch.stack([full, swa]), self.device)  # one copy: [2, n]
+            self.full_to_swa_device[dev[0]] = dev[1].to(torch.int32)
 
     def swa_used(self) -> int:
         return self.swa.used()

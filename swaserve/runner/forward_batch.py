@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swaserve.h2d import to_device
+
 if TYPE_CHECKING:
     from swaserve.attention.base import AttentionBackend
 
@@ -66,7 +68,7 @@ class ForwardBatch:
             return torch.arange(self.batch_size, device=self.positions.device)
         assert self.extend_seq_lens_cpu is not None
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.positions.device, non_blocking=True)
+        return to_device(ends, self.positions.device)
 
     @classmethod
     def build(
@@ -91,9 +93,7 @@ class ForwardBatch:
                  torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc.to(dtype=torch.int64)]
         if input_ids is not None:
             parts.append(torch.tensor(input_ids, dtype=torch.int64))
-        packed = torch.cat(parts)
-        if dev.type == "cuda":
-            packed = packed.pin_memory().to(dev, non_blocking=True)
+        packed = to_device(torch.cat(parts), dev)
         pos, rows, lens, locs, ids = packed.split([T, bs, bs, T, T if input_ids is not None else 0])
         return cls(
             mode=mode,

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swaserve.runner.sampler import Sampler, SamplerOutput, SamplingBatch
+from swaserve.h2d import to_device
+from swaserve.runner.sampler import Sampler, SamplerOutput, SamplingBatch, distinct_params, is_plain_greedy
 
 if TYPE_CHECKING:
     from swaserve.runner.model_runner import ModelRunner
@@ -24,7 +25,7 @@ class LaunchedStep:
 
     batch: ScheduleBatch
     reqs: list[Req]
-    asked: list[int | None]  # each sampling row's `logprobs` setting
+    asked: list[int | None] | None  # each sampling row's `logprobs` setting; None: no row asked
     out: SamplerOutput | None  # on the host (pinned on CUDA); None when no row samples
     ready: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
 
@@ -35,7 +36,7 @@ class LaunchedStep:
         if self.out is None:
             return [], None
         tokens = self.out.next_token_ids.tolist()
-        if all(a is None for a in self.asked):
+        if self.asked is None:
             return tokens, None
         return tokens, self.out.logprob_dicts(self.asked)
 
@@ -55,16 +56,32 @@ class StepLauncher:
         logits = self.runner.forward(fb)  # [bs, vocab] float32
         idx = batch.sample_indices()
         if not idx:
-            return LaunchedStep(batch, [], [], None, None)
+            return LaunchedStep(batch, [], None, None, None)
         reqs = [batch.reqs[i] for i in idx]
         rows = fb.req_pool_indices
         if len(idx) != len(batch.reqs):
-            sel = _to_device(idx, self.device)
+            sel = to_device(torch.tensor(idx), self.device)
             logits, rows = logits[sel], rows[sel]
         params = [r.params for r in reqs]
-        penalties = any(p.uses_penalties for p in {id(p): p for p in params}.values())
+        distinct = distinct_params(params)
+        if is_plain_greedy(distinct):  # the common case, kept free of per-row host work
+            sb = SamplingBatch.plain_greedy(len(reqs), self.vocab_size)
+        else:
+            sb = self._sampling_batch(reqs, params, distinct, rows)
+        out = self.sampler(logits, sb)
+        self.runner.record_sampled(rows, out.next_token_ids)
+        asked = [p.logprobs for p in params] if sb.max_num_logprobs is not None else None
+        if self.device.type != "cuda":
+            return LaunchedStep(batch, reqs, asked, out, None)
+        host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None for t in out))
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(batch, reqs, asked, host, ready)
+
+    def _sampling_batch(self, reqs: list[Req], params: list, distinct: list, rows: torch.Tensor) -> SamplingBatch:
+        penalties = any(p.uses_penalties for p in distinct)
         none: list[list[int]] = [[]] * len(reqs)  # token lists are read only for penalties
-        sb = SamplingBatch.build(
+        return SamplingBatch.build(
             params,
             [r.output_ids for r in reqs] if penalties else none,
             [r.ids[: r.prompt_len] for r in reqs] if penalties else none,
@@ -75,15 +92,6 @@ class StepLauncher:
             step_indices=[r.num_sampled - 1 for r in reqs],
             unseen_tokens=self._unseen_tokens(reqs, rows) if penalties else None,
         )
-        out = self.sampler(logits, sb)
-        self.runner.record_sampled(rows, out.next_token_ids)
-        asked = [p.logprobs for p in params]
-        if self.device.type != "cuda":
-            return LaunchedStep(batch, reqs, asked, out, None)
-        host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None for t in out))
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedStep(batch, reqs, asked, host, ready)
 
     def _unseen_tokens(self, reqs: list[Req], rows: torch.Tensor) -> torch.Tensor | None:
         """`[n]` int64, device: the token each row sampled in the step still in flight (its input
@@ -92,9 +100,5 @@ class StepLauncher:
         if not any(pending):
             return None
         last = self.runner.last_tokens[rows]
-        return torch.where(_to_device(pending, self.device), last, torch.full_like(last, -1))
+        return torch.where(to_device(torch.tensor(pending), self.device), last, torch.full_like(last, -1))
 
-
-def _to_device(xs: list, dev: torch.device) -> torch.Tensor:
-    t = torch.tensor(xs)
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t

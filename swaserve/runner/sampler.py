@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from swaserve.h2d import to_device
 from swaserve.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -57,6 +58,12 @@ class SamplingBatch:
     max_num_logprobs: int | None  # largest `logprobs` asked for in the batch; None when nobody asked
 
     @classmethod
+    def plain_greedy(cls, bs: int, vocab_size: int) -> SamplingBatch:
+        """A batch that only takes each row's argmax: no tensors, nothing to copy."""
+        return cls(vocab_size, bs, None, None, None, None, None, None, None, None, None, None, [], True,
+                   False, False, False, None)
+
+    @classmethod
     def build(
         cls,
         params: list[SamplingParams],
@@ -88,11 +95,9 @@ class SamplingBatch:
         bs = len(params)
         assert len(output_token_ids) == bs and len(prompt_token_ids) == bs
         dev = torch.device(device)
-        # Batches usually share a few SamplingParams objects: decide what is needed from those.
-        distinct = list({id(p): p for p in params}.values())
-        if all(p.is_greedy and not p.uses_penalties and p.logprobs is None for p in distinct):
-            return cls(vocab_size, bs, None, None, None, None, None, None, None, None, None, None, [], True,
-                       False, False, False, None)
+        distinct = distinct_params(params)
+        if is_plain_greedy(distinct):
+            return cls.plain_greedy(bs, vocab_size)
         samples = sample_indices if sample_indices is not None else [0] * bs
         steps = step_indices if step_indices is not None else [len(out) for out in output_token_ids]
 
@@ -145,11 +150,19 @@ class SamplingBatch:
         )
 
 
+def distinct_params(params: list[SamplingParams]) -> list[SamplingParams]:
+    """Batches usually share a few SamplingParams objects: flags are decided over those."""
+    return list({id(p): p for p in params}.values())
+
+
+def is_plain_greedy(distinct: list[SamplingParams]) -> bool:
+    return all(p.is_greedy and not p.uses_penalties and p.logprobs is None for p in distinct)
+
+
 def _to_device(
     xs: list[float] | list[int] | list[bool], dtype: torch.dtype, dev: torch.device
 ) -> torch.Tensor:
-    t = torch.tensor(xs, dtype=dtype)
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+    return to_device(torch.tensor(xs, dtype=dtype), dev)
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, dev: torch.device) -> torch.Tensor:

@@ -4,6 +4,7 @@ freeing every step, and retraction when memory runs out."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -97,6 +98,11 @@ class Scheduler:
     # -- scheduling --------------------------------------------------------------------------
 
     def schedule(self) -> ScheduleBatch | None:
+        # With a step in flight its results (and the freeing after them) come later: free what the
+        # launched steps have already moved out of the window before allocating for the next one.
+        self._evict_due(self.running)
+        if self.waiting and self.waiting[0].kv_len:
+            self._evict_due((self.waiting[0],))
         return self._schedule_extend() or self._schedule_decode()
 
     def _schedule_extend(self) -> ScheduleBatch | None:
@@ -196,11 +202,7 @@ class Scheduler:
             if r.finish_reason is not None:
                 self._finish(r)
             progressed.append(r)
-        if self.evictor is not None:
-            due = self.evictor.threshold
-            for r in batch.reqs:
-                if r.kv_len - r.swa_evicted >= due and not r.finished:
-                    self._evict_swa(r)
+        self._evict_due(batch.reqs)
         return progressed
 
     # -- memory ------------------------------------------------------------------------------
@@ -208,9 +210,16 @@ class Scheduler:
     def _full_available(self) -> int:
         return getattr(self.allocator, "full", self.allocator).available()
 
-    def _evict_swa(self, req: Req) -> None:
-        if self.evictor is not None and req.row is not None:
-            req.swa_evicted = self.evictor.evict(req.row, req.kv_len, req.swa_evicted)
+    def _evict_due(self, reqs: Sequence[Req]) -> None:
+        """Free out-of-window SWA slots of `reqs` that have a chunk's worth due. Positions below
+        kv_len belong to launched steps; a slot one of them still reads may be handed out again,
+        since every write to it is enqueued after that step."""
+        if self.evictor is None:
+            return
+        due = self.evictor.threshold
+        for r in reqs:
+            if r.kv_len - r.swa_evicted >= due and r.row is not None and not r.finished:
+                r.swa_evicted = self.evictor.evict(r.row, r.kv_len, r.swa_evicted)
 
     def _release(self, req: Req) -> None:
         if req.row is None:

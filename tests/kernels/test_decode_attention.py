@@ -207,4 +207,5 @@ def test_num_kv_splits_for():
     assert num_kv_splits_for(64, 8, 4, 8192, 132) == 1  # enough programs: no stage 2
     assert num_kv_splits_for(8, 64, 8, 8192, 132) == 5  # 64 programs: about two waves
     assert num_kv_splits_for(1, 8, 4, 32768, 132) == 64  # capped by max_splits
-    assert num_kv_splits_for(1, 8, 4, 128, 132) == 1  # a short window is never split
+    assert num_kv_splits_for(1, 8, 4, 512, 132) == 16  # one 32-key block per split
+    assert num_kv_splits_for(1, 8, 4, 32, 132) == 1  # a one-block window is never split

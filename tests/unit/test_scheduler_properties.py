@@ -204,3 +204,19 @@ def test_abort_mid_prefill_and_running():
     s.abort("b")
     s.check_integrity()
     assert not s.has_unfinished() and s.allocator.full.available() == 60
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_that_fills_the_swa_pool_still_decodes(overlap):
+    """Found by hypothesis: a 16-token prompt takes all 16 SWA slots; with a step in flight, the
+    next decode must be able to use the slots the prefill moved out of the window before that
+    step's results are processed."""
+    s = make_scheduler(full=60, swa=16, window=4, chunk=16, max_running=1)
+    r = Req("a", "a", 0, 16, list(range(16)), Params(2), 0, frozenset())
+    s.add(r)
+    dev = FakeDevice(s, overlap)
+    while dev.busy():
+        dev.step()
+        s.check_integrity()
+    check_outputs([r])
+    assert r.num_output == 2 and s.allocator.swa.available() == 16
