@@ -36,26 +36,30 @@ def run_all(engine: Engine, requests: list[tuple[str, object, SamplingParams]]) 
 
 
 def workload(long_ids: list[int]) -> list[tuple[str, object, SamplingParams]]:
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return [
         ("greedy-long", prompt_of(long_ids, 700), greedy),
-        ("greedy-short", prompt_of(long_ids, 20, 3), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
-        ("seeded", "Once upon a time", SamplingParams(temperature=0.9, top_p=0.9, max_tokens=30, seed=11)),
-        ("penalties", prompt_of(long_ids, 90, 5), SamplingParams(temperature=0.7, seed=3, max_tokens=30,
+        ("greedy-short", prompt_of(long_ids, 20, 3), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
+        ("seeded", "Once upon a time", SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=11)),
+        ("penalties", prompt_of(long_ids, 90, 5), SamplingParams(temperature=0.7, seed=3, max_tokens=16,
                                                                  frequency_penalty=0.8, presence_penalty=0.4,
                                                                  repetition_penalty=1.3, ignore_eos=True)),
-        ("greedy-penalty", prompt_of(long_ids, 60, 9), SamplingParams(temperature=0, max_tokens=30,
+        ("greedy-penalty", prompt_of(long_ids, 60, 9), SamplingParams(temperature=0, max_tokens=16,
                                                                       frequency_penalty=1.5, ignore_eos=True)),
-        ("logprobs-n", "The colour of the sky is", SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=12,
+        ("logprobs-n", "The colour of the sky is", SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=8,
                                                                   logprobs=2)),
         ("stop", "1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=30, stop=[" 9"])),
-        ("eos", "Question: what is 2+2?\nAnswer:", SamplingParams(temperature=0, max_tokens=60)),
+        ("eos", "Question: what is 2+2?\nAnswer:", SamplingParams(temperature=0, max_tokens=30)),
         ("one-token", prompt_of(long_ids, 300, 1), SamplingParams(temperature=0, max_tokens=1)),
     ]
 
 
-@pytest.mark.parametrize("options", [dict(max_prefill_tokens=256), dict(kv_cache_bytes=36 << 20, swa_full_tokens_ratio=1.0, max_prefill_tokens=256)],
-                         ids=["chunked", "retracting"])
+# 270M: 36 KiB of K/V per token in both pools (ratio 1): 730 slots hold the 700-token prompt with
+# room for only a few more, so the requests admitted beside it must be retracted as they grow.
+TIGHT = dict(kv_cache_bytes=730 * 36864, swa_full_tokens_ratio=1.0, max_prefill_tokens=128)
+
+
+@pytest.mark.parametrize("options", [dict(max_prefill_tokens=256), TIGHT], ids=["chunked", "retracting"])
 def test_overlap_matches_waiting_engine(llm, long_ids, options):
     reqs = workload(long_ids)
     sync = run_all(twin_engine(llm, False, **options), reqs)
