@@ -20,6 +20,11 @@ host sync, grids fixed by host ints) unless stated otherwise.
   prefix_lens, scaling, max_extend_len, window, logit_softcap, sinks, prefix_start)`: new tokens
   attend the cached prefix through its list (entry j at position prefix_start + j) and each other
   from k_new/v_new, causal + windowed. Its grid needs `max_extend_len` from the host.
+- `add_rms_norm(x, residual, post_weight, next_weight, eps, ...)` (norm.py): `h = residual +
+  norm(x)` and `norm(h)` in one launch (a sandwich norm's add plus the next block's input norm).
+- `qk_norm_rope_store(qkv, ..., k_buf, v_buf, locs, loc_map=None)` (qk_norm_rope.py): per-head q/k RMSNorm, rotary
+  and the K/V store of one attention layer in one launch, in place on the qkv projection.
+- `act_and_mul(gate_up, activation)`: `act(gate) * up` for silu, gelu and gelu_tanh (activation.py).
 
 Numerics: fp32 accumulation; fp32 inputs use true-fp32 dots (not tf32); bf16 probabilities are
 rounded to bf16 for the P.V product. Measured on one H100 (triton 3.6, bf16): decode at 2.9 TB/s

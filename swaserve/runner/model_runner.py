@@ -113,6 +113,7 @@ class ModelRunner:
         if batch.is_decode:
             if batch.input_ids is not None:
                 self.last_tokens.index_copy_(0, batch.req_pool_indices, batch.input_ids)
+                self.last_tokens[:1].zero_()  # a padding row in the batch must not leave a token in row 0
             else:
                 batch.input_ids = self.last_tokens[batch.req_pool_indices]
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
