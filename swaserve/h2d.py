@@ -11,6 +11,14 @@ from __future__ import annotations
 import torch
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` for a CPU `src`, asynchronous when `dst` is on a GPU (no staging tensor)."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` (a CPU tensor) on `device`, copied asynchronously on the current stream when it is a GPU."""
     if device.type != "cuda":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swaserve.h2d import to_device
+from swaserve.h2d import copy_into, to_device
 
 
 class ReqToTokenPool:
@@ -57,7 +57,7 @@ class ReqToTokenPool:
         host = slots.to(device="cpu", dtype=torch.int32)
         self._host[row, start:end] = host
         if self._host is not self.req_to_token:
-            self.req_to_token[row, start:end].copy_(to_device(host, self.device))
+            copy_into(self.req_to_token[row, start:end], host)
 
     def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """Record one slot per (row, position) pair in one copy: the decode step's table update."""

@@ -76,6 +76,7 @@ def test_overlap_matches_waiting_engine(llm, long_ids, options):
     assert sync["stop"].outputs[0].finish_reason == "stop"
     if "kv_cache_bytes" in options:
         assert ov_engine.stats.retractions_total > 0, "the small pool must force retractions"
+    assert ov_engine.runner.last_tokens[0] == 0, "row 0 (padding) of the last-token table is never written"
     s = ov_engine.memory_stats()
     assert s["full_tokens_used"] == 0 and s["swa_tokens_used"] == 0 and s["running"] == s["waiting"] == 0
 

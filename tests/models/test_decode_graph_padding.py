@@ -111,6 +111,7 @@ def test_shrinking_and_growing_decode_batches_match_eager(tmp_path, compile_back
                 assert not torch.isnan(b).any(), f"{rid}: a live K/V row is poisoned (step {phase})"
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{rid}: K/V differ at step {phase}")
         graph.scheduler.check_integrity()
+        assert graph.runner.last_tokens[0] == 0, "padded rows read token 0 from row 0: nothing writes it"
     order = [s for i, s in enumerate(seen_sizes) if i == 0 or s != seen_sizes[i - 1]]
     assert order[:1] == [12] and [12, 9] == order[:2], order
     i3 = order.index(3)

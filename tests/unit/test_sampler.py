@@ -173,6 +173,23 @@ def test_seed_is_independent_of_batch_position_and_neighbours(device: str) -> No
     assert Sampler()(target[1][5:6].to(device), batch).next_token_ids.item() == alone[5]
 
 
+def test_tokens_still_in_flight_count_like_seen_ones() -> None:
+    """Overlap scheduling: the host may not have a row's previous token yet. Passing it on the
+    device (`unseen_tokens`) and the step index explicitly gives what the full host history gives."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 64, generator=gen)
+    params = [SamplingParams(temperature=0.8, seed=4, frequency_penalty=1.5, presence_penalty=0.5,
+                             repetition_penalty=1.4),
+              SamplingParams(temperature=0.8, seed=9, frequency_penalty=1.0)]
+    outs, prompts = [[3, 7, 7], [1, 2]], [[5, 6], [8]]
+    full = SamplingBatch.build(params, outs, prompts, 64, "cpu")
+    partial = SamplingBatch.build(params, [[3, 7], [1, 2]], prompts, 64, "cpu", step_indices=[3, 2],
+                                  unseen_tokens=torch.tensor([7, -1]))
+    assert torch.equal(full.output_counts, partial.output_counts)
+    assert full.seeded_rows == partial.seeded_rows
+    assert torch.equal(Sampler()(logits, full).next_token_ids, Sampler()(logits, partial).next_token_ids)
+
+
 def test_different_seeds_and_sample_indices_differ() -> None:
     logits = torch.zeros(1, 1000)  # uniform: any dependence on the seed shows
     tokens = set()
