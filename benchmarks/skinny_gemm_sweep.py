@@ -1,0 +1,114 @@
+"""Decode GEMMs on the GPU: cuBLAS (`torch.mm`) against `skinny_gemm` (split-K, partial sums left
+for the next kernel) over Gemma 3 projection shapes and decode batch sizes, with a small sweep of
+launch settings. Prints achieved weight bandwidth (weight bytes ÷ time).
+
+    python benchmarks/skinny_gemm_sweep.py [--quick] [--shapes 1b,4b] [--batch-sizes 1,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+# hidden, q heads, kv heads, head dim, intermediate
+MODELS = {"1b": (1152, 4, 1, 256, 6912), "4b": (2560, 8, 4, 256, 10240), "12b": (3840, 16, 8, 256, 15360)}
+STREAM_BYTES = 256 << 20  # weight copies cycled per graph so nothing is served from L2
+
+
+def projections(model: str) -> dict[str, tuple[int, int]]:
+    hidden, hq, hkv, d, inter = MODELS[model]
+    return {"qkv": ((hq + 2 * hkv) * d, hidden), "o": (hidden, hq * d), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter)}
+
+
+def graph_us(fn, calls: int) -> float:
+    """Microseconds per call of fn(i), i in range(calls), timed over CUDA-graph replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(3):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (3 * calls))
+    return sorted(times)[len(times) // 2]
+
+
+def case(model: str, proj: str, N: int, K: int, batch_sizes: list[int], configs, num_sms: int) -> list[dict]:
+    from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits
+
+    nbytes = N * K * 2
+    copies = max(2, STREAM_BYTES // nbytes)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    rows = []
+    for M in batch_sizes:
+        x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        cublas = graph_us(lambda i: torch.mm(x, ws[i].T, out=out), copies)
+        results = []
+        for bn, bk, stages, warps, mult in configs:
+            splits = max(1, int(skinny_gemm_splits(N, K, num_sms, bn, bk) * mult))
+            part = torch.empty((splits, M, N) if splits > 1 else (M, N), device="cuda",
+                               dtype=torch.float32 if splits > 1 else torch.bfloat16)
+            try:
+                us = graph_us(lambda i: skinny_gemm(x, ws[i], splits, block_n=bn, block_k=bk, num_warps=warps,
+                                                    num_stages=stages, out=part), copies)
+            except Exception as e:  # a config over the shared-memory limit
+                print(f"# {model} {proj} M={M} bn{bn} bk{bk} st{stages} w{warps}: {type(e).__name__}")
+                continue
+            results.append((us, bn, bk, stages, warps, splits))
+        results.sort()
+        default = next((r for r in results if r[1:5] == (64, 128, 4, 4)), results[0])
+        best = results[0]
+        row = {"model": model, "proj": proj, "N": N, "K": K, "M": M, "cublas_us": round(cublas, 2),
+               "cublas_tbps": round(nbytes / cublas / 1e6, 2), "default_us": round(default[0], 2),
+               "best_us": round(best[0], 2), "best_tbps": round(nbytes / best[0] / 1e6, 2),
+               "best": dict(zip(("block_n", "block_k", "stages", "warps", "splits"), best[1:])),
+               "partial_mb": round(best[5] * M * N * 4 / 1e6, 2) if best[5] > 1 else 0.0}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1b,4b")
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--quick", action="store_true", help="the default launch settings only")
+    args = ap.parse_args()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.quick:
+        configs = [(64, 128, 4, 4, 1.0)]
+    else:
+        configs = [c for c in itertools.product((32, 64, 128), (64, 128, 256), (4,), (4,), (0.5, 1.0, 2.0))
+                   if c[0] * c[1] <= 128 * 128]
+    rows = []
+    for model in args.shapes.split(","):
+        for proj, (N, K) in projections(model).items():
+            rows += case(model, proj, N, K, [int(b) for b in args.batch_sizes.split(",")], configs, num_sms)
+    print(f"\n{'model':5} {'proj':8} {'M':>4} {'cuBLAS us':>9} {'TB/s':>5} {'ours us':>8} {'TB/s':>5} "
+          f"{'default':>8}  best (bn bk stages warps splits)  partials MB")
+    for r in rows:
+        b = r["best"]
+        print(f"{r['model']:5} {r['proj']:8} {r['M']:>4} {r['cublas_us']:>9} {r['cublas_tbps']:>5} {r['best_us']:>8} "
+              f"{r['best_tbps']:>5} {r['default_us']:>8}  {b['block_n']} {b['block_k']} {b['stages']} {b['warps']} "
+              f"{b['splits']}  {r['partial_mb']}")
+
+
+if __name__ == "__main__":
+    main()

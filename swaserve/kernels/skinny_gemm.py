@@ -1,0 +1,96 @@
+"""Weight-streaming GEMM for decode-sized batches: `x @ W.T` with few rows (M <= 64), split over K.
+
+At decode the projections read every weight byte once for a handful of rows, so the GEMM is a
+bandwidth problem: it needs enough programs in flight to saturate HBM. A narrow output (o_proj,
+down_proj: N = hidden) gives cuBLAS few tiles, and it splits K with a separate reduce kernel. Here
+each program streams one (N-block, K-range) tile of W and writes float32 partial sums
+`[splits, M, N]`; the kernel that reads the result next (the residual add + norm) sums them, so
+the reduce costs no launch. Rows never mix: a row's result depends only on its own input, the
+split count and the tile, never on M, so padded graph batches and eager agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from swaserve.kernels.decode_attention import dot_flags
+
+MAX_M = 64  # the row tile; larger batches use the library GEMM
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x, w, out, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
+    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = split * K_PER_SPLIT
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):  # constant trip count: the loads pipeline
+        rk = k_lo + k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if UPCAST:
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(b), input_precision=PREC)
+    tl.store(out + split * stride_os + rm[:, None] * stride_om + rn[None, :],
+             acc.to(out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def skinny_gemm_splits(N: int, K: int, num_sms: int, block_n: int = 64, block_k: int = 128) -> int:
+    """Splits of K so that N-blocks x splits gives about two programs per SM (none when the N-blocks
+    alone fill the SMs); a function of the weight shape only (never of M), so every batch size rounds the same way."""
+    nblocks = triton.cdiv(N, block_n)
+    if nblocks >= num_sms:
+        return 1
+    want = max(1, triton.cdiv(2 * num_sms, nblocks))
+    return max(1, min(want, triton.cdiv(K, block_k)))
+
+
+def skinny_gemm(
+    x: torch.Tensor,  # [M, K], M <= MAX_M, unit stride in K
+    weight: torch.Tensor,  # [N, K], unit stride in K (a Linear's weight)
+    splits: int,
+    *,
+    block_n: int = 64,
+    block_k: int = 128,
+    block_m: int = MAX_M,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`splits == 1`: `x @ W.T` in x's dtype, `[M, N]`. `splits > 1`: float32 partial sums
+    `[splits, M, N]` whose sum over dim 0 is `x @ W.T` (K-ranges are whole `block_k` multiples;
+    trailing splits past K hold zeros). The row tile is fixed (`block_m`, not M's power of 2) so a
+    row's rounding cannot depend on how many rows came with it."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > block_m:
+        raise ValueError(f"skinny_gemm takes at most {block_m} rows, got {M}")
+    assert weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    if out is None:
+        shape = (M, N) if splits == 1 else (splits, M, N)
+        out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    if M == 0:
+        return out
+    o3 = out.unsqueeze(0) if splits == 1 else out
+    assert o3.shape == (splits, M, N) and o3.stride(2) == 1, o3.shape
+    upcast, prec = dot_flags(x.dtype)
+    _skinny_gemm_kernel[(triton.cdiv(N, block_n), splits)](
+        x, weight, o3, M, N, K, x.stride(0), weight.stride(0), o3.stride(0), o3.stride(1),
+        K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=upcast, PREC=prec, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
