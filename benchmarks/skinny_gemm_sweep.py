@@ -1,8 +1,10 @@
 """Decode GEMMs on the GPU: cuBLAS (`torch.mm`) against `skinny_gemm` (split-K, partial sums left
 for the next kernel) over Gemma 3 projection shapes and decode batch sizes, with a small sweep of
-launch settings. Prints achieved weight bandwidth (weight bytes ÷ time).
+launch settings; for gate/up, cuBLAS + `act_and_mul` against `skinny_gated_gemm` (one launch).
+Prints achieved weight bandwidth (weight bytes ÷ time).
 
     python benchmarks/skinny_gemm_sweep.py [--quick] [--shapes 1b,4b] [--batch-sizes 1,16,64]
+        [--projs qkv,o,gate_up,down,gated]
 """
 
 from __future__ import annotations
@@ -48,6 +50,40 @@ def graph_us(fn, calls: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def gated_case(model: str, N: int, K: int, batch_sizes: list[int], configs) -> list[dict]:
+    from swaserve.kernels.activation import act_and_mul
+    from swaserve.kernels.skinny_gemm import skinny_gated_gemm
+
+    nbytes = N * K * 2
+    copies = max(2, STREAM_BYTES // nbytes)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    rows = []
+    for M in batch_sizes:
+        x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        cublas = graph_us(lambda i: act_and_mul(torch.mm(x, ws[i].T, out=out), "gelu_tanh"), copies)
+        results = []
+        for bn, bk, stages, warps in configs:
+            try:
+                us = graph_us(lambda i: skinny_gated_gemm(x, ws[i], "gelu_tanh", block_n=bn, block_k=bk,
+                                                          num_warps=warps, num_stages=stages), copies)
+            except Exception as e:  # a config over the shared-memory limit
+                print(f"# {model} gated M={M} bn{bn} bk{bk} st{stages} w{warps}: {type(e).__name__}")
+                continue
+            results.append((us, bn, bk, stages, warps, 1))
+        results.sort()
+        default = next((r for r in results if r[1:5] == (64, 128, 3, 4)), results[0])
+        best = results[0]
+        row = {"model": model, "proj": "gated", "N": N, "K": K, "M": M, "cublas_us": round(cublas, 2),
+               "cublas_tbps": round(nbytes / cublas / 1e6, 2), "default_us": round(default[0], 2),
+               "best_us": round(best[0], 2), "best_tbps": round(nbytes / best[0] / 1e6, 2),
+               "best": dict(zip(("block_n", "block_k", "stages", "warps", "splits"), best[1:])), "partial_mb": 0.0}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def case(model: str, proj: str, N: int, K: int, batch_sizes: list[int], configs, num_sms: int) -> list[dict]:
     from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits
 
@@ -89,6 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1b,4b")
     ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--projs", default="qkv,o,gate_up,down,gated")
     ap.add_argument("--quick", action="store_true", help="the default launch settings only")
     args = ap.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -97,10 +134,17 @@ def main() -> None:
     else:
         configs = [c for c in itertools.product((32, 64, 128), (64, 128, 256), (4,), (4,), (0.5, 1.0, 2.0))
                    if c[0] * c[1] <= 128 * 128]
+    gated_configs = [(64, 128, 3, 4)] if args.quick else list(
+        itertools.product((32, 64, 128), (64, 128), (3, 4), (4, 8)))
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    projs = args.projs.split(",")
     rows = []
     for model in args.shapes.split(","):
         for proj, (N, K) in projections(model).items():
-            rows += case(model, proj, N, K, [int(b) for b in args.batch_sizes.split(",")], configs, num_sms)
+            if proj in projs:
+                rows += case(model, proj, N, K, batch_sizes, configs, num_sms)
+        if "gated" in projs:
+            rows += gated_case(model, *projections(model)["gate_up"], batch_sizes, gated_configs)
     print(f"\n{'model':5} {'proj':8} {'M':>4} {'cuBLAS us':>9} {'TB/s':>5} {'ours us':>8} {'TB/s':>5} "
           f"{'default':>8}  best (bn bk stages warps splits)  partials MB")
     for r in rows:

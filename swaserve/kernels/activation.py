@@ -7,17 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
-_ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 @triton.jit
-def _act_and_mul_kernel(gate_up, out, stride_in, stride_out, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # int64: T * 2I passes 2**31 on long prefills
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    ty = out.dtype.element_ty
-    g = tl.load(gate_up + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_up + row * stride_in + n_cols + cols, mask=mask, other=0.0)
+def gated_act(g, u, ty: tl.constexpr, ACT: tl.constexpr):
+    """`act(g) * u` rounded to `ty` as the two torch ops would be: act(g) rounded to `ty`, then the
+    product in float32 and rounded. g and u are float32 holding `ty` values."""
     if ACT == 0:  # silu; exp(-g) = inf for very negative g gives -0, not NaN
         a = g / (1.0 + tl.exp(-g))
     elif ACT == 1:  # exact gelu
@@ -27,9 +23,17 @@ def _act_and_mul_kernel(gate_up, out, stride_in, stride_out, n_cols, ACT: tl.con
         # interpreter lacks it), has no 1 - 2/(...) cancellation, and saturates to g / -0 without NaN.
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = g / (1.0 + tl.exp(-2.0 * z))
-    # act rounded to the dtype, then the product taken in float32 and rounded, as torch does per op.
-    y = a.to(ty).to(tl.float32) * u.to(tl.float32)
-    tl.store(out + row * stride_out + cols, y.to(ty), mask=mask)
+    return (a.to(ty).to(tl.float32) * u).to(ty)
+
+
+@triton.jit
+def _act_and_mul_kernel(gate_up, out, stride_in, stride_out, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # int64: T * 2I passes 2**31 on long prefills
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gate_up + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up + row * stride_in + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_out + cols, gated_act(g, u, out.dtype.element_ty, ACT), mask=mask)
 
 
 def act_and_mul(
@@ -38,8 +42,8 @@ def act_and_mul(
     block: int = 1024,
 ) -> torch.Tensor:  # [T, I], gate_up's dtype
     """`act(gate) * up` in one launch; grid (T, column blocks) so wide intermediates stay parallel."""
-    if activation not in _ACTS:
-        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(_ACTS)}")
+    if activation not in ACTS:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(ACTS)}")
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
     if gate_up.stride(1) != 1:
         gate_up = gate_up.contiguous()
@@ -49,7 +53,7 @@ def act_and_mul(
         return out
     block = min(block, triton.next_power_of_2(inter))
     _act_and_mul_kernel[(T, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, ACT=_ACTS[activation], BLOCK=block,
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, ACT=ACTS[activation], BLOCK=block,
         num_warps=max(1, min(4, block // 256)),
     )
     return out

@@ -72,22 +72,34 @@ def _weighted(xhat, w, ty: tl.constexpr, UNIT_OFFSET: tl.constexpr, WEIGHT_FP32:
 
 
 @triton.jit
+def _load_x(x_ptr, row, stride_x, stride_part, cols, mask, ty: tl.constexpr, NUM_PARTS: tl.constexpr):
+    """Row of x in float32. NUM_PARTS > 0: x is split-K partial sums [NUM_PARTS, T, dim] (float32),
+    summed in order and rounded to `ty`, as the GEMM's own output would have been."""
+    if NUM_PARTS == 0:
+        return tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros(cols.shape, tl.float32)
+    for s in tl.static_range(NUM_PARTS):  # unrolled: every part's load is in flight at once
+        acc += tl.load(x_ptr + s * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+    return acc.to(ty).to(tl.float32)
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, pw_ptr, nw_ptr, h_ptr, y_ptr,
-                         stride_x, stride_res, stride_h, stride_y, n_cols, eps,
+                         stride_x, stride_part, stride_res, stride_h, stride_y, n_cols, eps,
                          UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_POST: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     ty = h_ptr.dtype.element_ty
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+    x = _load_x(x_ptr, row, stride_x, stride_part, cols, mask, ty, NUM_PARTS)
     if HAS_POST:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         pw = tl.load(pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         h = (r + _weighted(xhat, pw, ty, UNIT_OFFSET, WEIGHT_FP32)).to(ty)
     else:
-        h = (r + tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)).to(ty)
+        h = (r + x.to(ty)).to(ty)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
     # The second norm reads h as rounded to the dtype, as if it had been stored and reloaded.
     hf = h.to(tl.float32)
@@ -97,8 +109,9 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, pw_ptr, nw_ptr, h_ptr, y_ptr,
 
 
 def add_rms_norm(
-    x: torch.Tensor,  # [T, dim], rows may be strided
-    residual: torch.Tensor,  # [T, dim], x's dtype
+    x: torch.Tensor,  # [T, dim] in residual's dtype, rows may be strided; or float32 split-K partial
+    #                   sums [S, T, dim] of it (`skinny_gemm`), summed here
+    residual: torch.Tensor,  # [T, dim]
     post_weight: torch.Tensor | None,  # [dim]: h = residual + norm(x); None: h = residual + x
     next_weight: torch.Tensor,  # [dim]
     eps: float,
@@ -108,22 +121,27 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(h, norm(h))` with `h = residual + post_norm(x)`: a sandwich norm's residual add and the next
     block's input norm in one launch, rounded exactly as the two `rms_norm` calls would be."""
-    dim = x.shape[-1]
-    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
-    x2 = x.reshape(-1, dim)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    dim = residual.shape[-1]
     res2 = residual.reshape(-1, dim)
     if res2.stride(-1) != 1:
         res2 = res2.contiguous()
-    h = torch.empty_like(x2)
-    y = torch.empty_like(x2)
-    if x2.shape[0]:
+    parts = x.dim() == 3
+    if parts:
+        assert x.dtype == torch.float32 and x.shape[1:] == res2.shape and x.stride(2) == 1, (x.shape, res2.shape)
+        x2, stride_part = x, x.stride(0)
+    else:
+        assert x.shape == residual.shape and x.dtype == residual.dtype, (x.shape, residual.shape)
+        x2, stride_part = x.reshape(-1, dim), 0
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+    h = torch.empty_like(res2)
+    y = torch.empty_like(res2)
+    if res2.shape[0]:
         block = triton.next_power_of_2(dim)
-        _add_rms_norm_kernel[(x2.shape[0],)](
+        _add_rms_norm_kernel[(res2.shape[0],)](
             x2, res2, post_weight if post_weight is not None else next_weight, next_weight, h, y,
-            x2.stride(0), res2.stride(0), h.stride(0), y.stride(0), dim, eps,
-            UNIT_OFFSET=unit_offset, WEIGHT_FP32=weight_fp32, HAS_POST=post_weight is not None, BLOCK=block,
-            num_warps=4 if block <= 2048 else 8,
+            x2.stride(-2), stride_part, res2.stride(0), h.stride(0), y.stride(0), dim, eps,
+            UNIT_OFFSET=unit_offset, WEIGHT_FP32=weight_fp32, HAS_POST=post_weight is not None,
+            NUM_PARTS=x.shape[0] if parts else 0, BLOCK=block, num_warps=4 if block <= 2048 else 8,
         )
-    return h.view(x.shape), y.view(x.shape)
+    return h.view(residual.shape), y.view(residual.shape)

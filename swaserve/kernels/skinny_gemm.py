@@ -5,8 +5,10 @@ bandwidth problem: it needs enough programs in flight to saturate HBM. A narrow 
 down_proj: N = hidden) gives cuBLAS few tiles, and it splits K with a separate reduce kernel. Here
 each program streams one (N-block, K-range) tile of W and writes float32 partial sums
 `[splits, M, N]`; the kernel that reads the result next (the residual add + norm) sums them, so
-the reduce costs no launch. Rows never mix: a row's result depends only on its own input, the
-split count and the tile, never on M, so padded graph batches and eager agree bit for bit.
+the reduce costs no launch. `skinny_gated_gemm` is the gate/up form: each program streams matching
+gate and up rows and writes `act(gate) * up`, so the activation costs no launch either.
+Rows never mix: a row's result depends only on its own input, the split count and the tile, never
+on M, so padded graph batches and eager agree bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.kernels.activation import ACTS, gated_act
 from swaserve.kernels.decode_attention import dot_flags
 
 MAX_M = 64  # the row tile; larger batches use the library GEMM
@@ -46,6 +49,40 @@ def _skinny_gemm_kernel(
             acc += tl.dot(a, tl.trans(b), input_precision=PREC)
     tl.store(out + split * stride_os + rm[:, None] * stride_om + rn[None, :],
              acc.to(out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _skinny_gated_kernel(
+    x, w, out, M, I, K, stride_xm, stride_wn, stride_om,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < I
+    gate_rows = w + rn[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        wmask = nmask[:, None] & kmask[None, :]
+        bg = tl.load(gate_rows + rk[None, :], mask=wmask, other=0.0)
+        bu = tl.load(up_rows + rk[None, :], mask=wmask, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            acc_g += tl.dot(a, tl.trans(bg.to(tl.float32)), input_precision="ieee")
+            acc_u += tl.dot(a, tl.trans(bu.to(tl.float32)), input_precision="ieee")
+        else:
+            acc_g += tl.dot(a, tl.trans(bg), input_precision=PREC)
+            acc_u += tl.dot(a, tl.trans(bu), input_precision=PREC)
+    ty = out.dtype.element_ty
+    # gate and up rounded to the dtype first, as the unfused GEMM's output would be.
+    y = gated_act(acc_g.to(ty).to(tl.float32), acc_u.to(ty).to(tl.float32), ty, ACT)
+    tl.store(out + rm[:, None] * stride_om + rn[None, :], y, mask=mmask[:, None] & nmask[None, :])
 
 
 def skinny_gemm_splits(N: int, K: int, num_sms: int, block_n: int = 64, block_k: int = 128) -> int:
@@ -91,6 +128,37 @@ def skinny_gemm(
     _skinny_gemm_kernel[(triton.cdiv(N, block_n), splits)](
         x, weight, o3, M, N, K, x.stride(0), weight.stride(0), o3.stride(0), o3.stride(1),
         K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=upcast, PREC=prec, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def skinny_gated_gemm(
+    x: torch.Tensor,  # [M, K], M <= block_m, unit stride in K
+    weight: torch.Tensor,  # [2I, K]: gate rows [0, I), up rows [I, 2I) (MergedLinear's gate_up)
+    activation: str,  # "silu", "gelu" or "gelu_tanh"
+    *,
+    block_n: int = 64,
+    block_k: int = 128,
+    block_m: int = MAX_M,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:  # [M, I] in x's dtype
+    """`act(x @ Wg.T) * (x @ Wu.T)` in one launch, rounded as the GEMM + `act_and_mul` would be."""
+    M, K = x.shape
+    if activation not in ACTS:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(ACTS)}")
+    if M > block_m:
+        raise ValueError(f"skinny_gated_gemm takes at most {block_m} rows, got {M}")
+    assert weight.shape[0] % 2 == 0 and weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1
+    inter = weight.shape[0] // 2
+    out = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    upcast, prec = dot_flags(x.dtype)
+    _skinny_gated_kernel[(triton.cdiv(inter, block_n),)](
+        x, weight, out, M, inter, K, x.stride(0), weight.stride(0), out.stride(0),
+        ACT=ACTS[activation], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=upcast, PREC=prec, num_warps=num_warps, num_stages=num_stages,
     )
     return out

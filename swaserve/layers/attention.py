@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from swaserve.attention.base import AttentionSpec
-from swaserve.layers.linear import MergedLinear
+from swaserve.layers.linear import MergedLinear, OutLinear
 from swaserve.layers.norm import RMSNorm
 from swaserve.layers.rotary import RotaryEmbedding
 
@@ -49,7 +49,7 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(hidden_size, [q_size, kv_size, kv_size], qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden_size, bias=o_bias)
+        self.o_proj = OutLinear(q_size, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None else None
         self.k_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None else None
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None  # [num_heads]
@@ -65,7 +65,9 @@ class SelfAttention(nn.Module):
             logit_softcap=logit_softcap,
         )
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, partial_sums: bool = False) -> torch.Tensor:
+        """`[num_tokens, hidden]` -> `[num_tokens, hidden]`, or o_proj's split-K partial sums
+        (`OutLinear`) when `partial_sums` and the batch is decode-sized."""
         n = hidden.shape[0]
         backend = batch.attn_backend
         assert backend is not None, "ModelRunner sets batch.attn_backend before the model runs"
@@ -82,7 +84,7 @@ class SelfAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(batch.positions, q, k, batch.scratch)
         out = backend.forward(q, k, v, self.spec, batch, self.sinks, kv_stored=fused)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), partial_sums)
 
     def _norm_rotate_store(self, qkv: torch.Tensor, batch: ForwardBatch) -> None:
         from swaserve.kernels.qk_norm_rope import qk_norm_rope_store

@@ -1,4 +1,5 @@
-"""Merged projections: one GEMM for several HF weights that read the same input (q/k/v, gate/up)."""
+"""Merged projections: one GEMM for several HF weights that read the same input (q/k/v, gate/up);
+and output projections whose result the next kernel can take as split-K partial sums."""
 
 from __future__ import annotations
 
@@ -37,3 +38,26 @@ class MergedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}"
+
+
+class OutLinear(nn.Linear):
+    """An output projection (o_proj, down_proj) feeding a residual add.
+
+    `forward(x, partial_sums=True)` may return float32 split-K partial sums `[S, M, N]` instead of
+    `[M, N]`: on CUDA, without bias, for at most `skinny_gemm.MAX_M` rows (decode batches), where
+    the weight stream needs more programs than N's tiles give. `add_norm` sums them; nothing else
+    should ask for them. The split count depends on the weight shape and the GPU only.
+    """
+
+    _splits: int | None = None
+
+    def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:
+        if partial_sums and x.is_cuda and self.bias is None and x.dim() == 2:
+            from swaserve.kernels.skinny_gemm import MAX_M, skinny_gemm, skinny_gemm_splits
+
+            if 0 < x.shape[0] <= MAX_M:
+                if self._splits is None:
+                    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+                    self._splits = skinny_gemm_splits(self.out_features, self.in_features, sms)
+                return skinny_gemm(x if x.stride(1) == 1 else x.contiguous(), self.weight, self._splits)
+        return F.linear(x, self.weight, self.bias)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from swaserve.layers.activation import fused_activation_name, get_activation
-from swaserve.layers.linear import MergedLinear
+from swaserve.layers.linear import MergedLinear, OutLinear
 
 
 class GatedMLP(nn.Module):
@@ -15,15 +15,27 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = OutLinear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(activation)
         self.fused_act = fused_activation_name(activation)  # None: no fused kernel for it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:
+        """`[num_tokens, hidden]` -> `[num_tokens, hidden]`, or down_proj's split-K partial sums
+        (`OutLinear`) when `partial_sums` and the batch is decode-sized."""
+        if x.is_cuda and self.fused_act is not None:
+            return self.down_proj(self._fused_gate_up_act(x), partial_sums)
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and self.fused_act is not None:
-            from swaserve.kernels.activation import act_and_mul
-
-            return self.down_proj(act_and_mul(gate_up, self.fused_act))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate) * up, partial_sums)
+
+    def _fused_gate_up_act(self, x: torch.Tensor) -> torch.Tensor:
+        """`act(gate) * up` on CUDA: one weight-streaming launch for decode-sized batches without
+        bias, else the library GEMM and one `act_and_mul` launch."""
+        from swaserve.kernels.activation import act_and_mul
+        from swaserve.kernels.skinny_gemm import MAX_M, skinny_gated_gemm
+
+        assert self.fused_act is not None
+        if self.gate_up_proj.bias is None and x.dim() == 2 and 0 < x.shape[0] <= MAX_M:
+            return skinny_gated_gemm(x if x.stride(1) == 1 else x.contiguous(), self.gate_up_proj.weight,
+                                     self.fused_act)
+        return act_and_mul(self.gate_up_proj(x), self.fused_act)

@@ -68,6 +68,8 @@ class MoE(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts, top_k)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:  # [num_tokens, hidden]
+        """Always the summed `[num_tokens, hidden]`: the experts add their outputs up themselves
+        (`partial_sums` is the dense layers' option, accepted so the decoder layer need not ask)."""
         weights, ids = self.router(x)
         return self.experts(x, weights, ids)

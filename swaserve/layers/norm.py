@@ -50,7 +50,8 @@ def add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add between two blocks and the next block's input norm: `h = residual + post(x)`
     (`residual + x` without a post norm, Gemma's sandwich norm with one), returns `(h, nxt(h))`.
-    One fused launch on CUDA, rounded as the separate calls are; `post` and `nxt` share their form."""
+    One fused launch on CUDA, rounded as the separate calls are; `post` and `nxt` share their form.
+    On CUDA `x` may be float32 split-K partial sums `[S, T, dim]` (`OutLinear`), summed in the launch."""
     if x.is_cuda:
         from swaserve.kernels.norm import add_rms_norm
 

@@ -56,11 +56,13 @@ class DecoderLayer(nn.Module):
         caller together with the previous residual add. Returns the new `h` and `next_norm(h)` (the
         next layer's input norm, or the final norm), so each residual add and the norm after it run
         as one fused launch on the GPU."""
+        # The output projections may hand add_norm split-K partial sums (decode batches on the GPU).
+        attn = self.self_attn(x, batch, partial_sums=True)
         if self.sandwich:
-            h, x = add_norm(self.self_attn(x, batch), h, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-            return add_norm(self.mlp(x), h, self.post_feedforward_layernorm, next_norm)
-        h, x = add_norm(self.self_attn(x, batch), h, None, self.post_attention_layernorm)
-        return add_norm(self.mlp(x), h, None, next_norm)
+            h, x = add_norm(attn, h, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            return add_norm(self.mlp(x, partial_sums=True), h, self.post_feedforward_layernorm, next_norm)
+        h, x = add_norm(attn, h, None, self.post_attention_layernorm)
+        return add_norm(self.mlp(x, partial_sums=True), h, None, next_norm)
 
 
 class DecoderStack(nn.Module):

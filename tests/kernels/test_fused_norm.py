@@ -86,3 +86,27 @@ def test_add_rms_norm_empty(device):
     x = torch.zeros(0, 32, device=device)
     h, y = add_rms_norm(x, x.clone(), w, w, 1e-6)
     assert h.shape == y.shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("has_post", [True, False])
+@pytest.mark.parametrize("parts", [1, 3, 15])
+def test_add_rms_norm_sums_split_k_partials(device, seed, dtype, has_post, parts):
+    """x given as float32 partial sums [S, T, dim] (skinny_gemm's output): summed in split order and
+    rounded to the dtype, then exactly the one-tensor path."""
+    g = torch.Generator().manual_seed(seed)
+    dim = 640
+    post = _norm(dim, FORMS[0], dtype, device, g) if has_post else None
+    nxt = _norm(dim, FORMS[0], dtype, device, g)
+    partial = torch.randn(parts, 7, dim, generator=g).to(device)
+    res = torch.randn(7, dim, generator=g).to(device, dtype)
+    total = partial[0].clone()
+    for s in range(1, parts):
+        total += partial[s]
+    pw = post.weight if post is not None else None
+    h, y = add_rms_norm(partial, res, pw, nxt.weight, 1e-6, unit_offset=True)
+    h_ref, y_ref = add_rms_norm(total.to(dtype), res, pw, nxt.weight, 1e-6, unit_offset=True)
+    assert h.shape == y.shape == res.shape and h.dtype == dtype
+    assert torch.equal(h, h_ref) and torch.equal(y, y_ref), f"seed={seed}"
+    with pytest.raises(AssertionError):
+        add_rms_norm(partial.to(dtype) if dtype != torch.float32 else partial[:, :3], res, pw, nxt.weight, 1e-6)

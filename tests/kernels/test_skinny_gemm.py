@@ -69,3 +69,23 @@ def test_split_count_depends_on_the_weight_only():
     assert skinny_gemm_splits(1152, 6912, 132) == 15  # 18 N-blocks -> ~2 programs per SM
     assert skinny_gemm_splits(13824, 1152, 132) == 1  # wide outputs fill the GPU without splitting
     assert skinny_gemm_splits(64, 100, 132) == 1  # never more splits than K-blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu", "gelu"])
+@pytest.mark.parametrize("m,inter,k", [(1, 80, 200), (9, 64, 256), (64, 100, 130)])
+def test_skinny_gated_gemm_matches_gemm_then_act(device, seed, dtype, act, m, inter, k):
+    """One launch equals the merged GEMM followed by act_and_mul (both round gate/up to the dtype)."""
+    from swaserve.kernels.activation import act_and_mul
+    from swaserve.kernels.skinny_gemm import skinny_gated_gemm
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(2 * inter, k, generator=g) / k**0.5).to(device, dtype)
+    got = skinny_gated_gemm(x, w, act, block_n=32, block_k=64)
+    assert got.shape == (m, inter) and got.dtype == dtype
+    ref = act_and_mul(_ref(x, w).to(dtype), act)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, ref, **tol, msg=lambda s: f"seed={seed}: {s}")
+    with pytest.raises(ValueError, match="unsupported activation"):
+        skinny_gated_gemm(x, w, "relu")
