@@ -142,6 +142,7 @@ def add_rms_norm(
             x2, res2, post_weight if post_weight is not None else next_weight, next_weight, h, y,
             x2.stride(-2), stride_part, res2.stride(0), h.stride(0), y.stride(0), dim, eps,
             UNIT_OFFSET=unit_offset, WEIGHT_FP32=weight_fp32, HAS_POST=post_weight is not None,
-            NUM_PARTS=x.shape[0] if parts else 0, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+            NUM_PARTS=x.shape[0] if parts else 0, BLOCK=block,
+            num_warps=4 if block <= 2048 and not parts else 8,  # parts: fewer registers per thread
         )
     return h.view(residual.shape), y.view(residual.shape)
