@@ -91,3 +91,19 @@ def test_skinny_gated_gemm_matches_gemm_then_act(device, seed, dtype, act, m, in
     torch.testing.assert_close(got, ref, **tol, msg=lambda s: f"seed={seed}: {s}")
     with pytest.raises(ValueError, match="unsupported activation"):
         skinny_gated_gemm(x, w, "relu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [320, 2304])  # both default tiles of the gated form
+def test_default_launch_settings(device, seed, dtype, k):
+    """The tiles the layers use (no overrides) fit the GPU's shared memory for fp32 as well as bf16."""
+    from swaserve.kernels.activation import act_and_mul
+    from swaserve.kernels.skinny_gemm import skinny_gated_gemm
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, k, generator=g).to(device, dtype)
+    w = (torch.randn(192, k, generator=g) / k**0.5).to(device, dtype)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(skinny_gemm(x, w, 2).sum(0), _ref(x, w), **tol)
+    torch.testing.assert_close(skinny_gated_gemm(x, w, "gelu_tanh"), act_and_mul(_ref(x, w).to(dtype), "gelu_tanh"),
+                               **tol)
