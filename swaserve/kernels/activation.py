@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
+
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
@@ -27,7 +29,9 @@ def gated_act(g, u, ty: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_and_mul_kernel(gate_up, out, stride_in, stride_out, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(gate_up, out, stride_in, stride_out, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # int64: T * 2I passes 2**31 on long prefills
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -54,6 +58,6 @@ def act_and_mul(
     block = min(block, triton.next_power_of_2(inter))
     _act_and_mul_kernel[(T, triton.cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter, ACT=ACTS[activation], BLOCK=block,
-        num_warps=max(1, min(4, block // 256)),
+        num_warps=max(1, min(4, block // 256)), **pdl_kwargs(gate_up),
     )
     return out

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
+
 
 def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -90,7 +92,9 @@ def _decode_stage1(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -146,8 +150,9 @@ def _decode_stage2(
     kv_indptr, out, mid_o, mid_lse, sinks,
     stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(kv_indptr + b + 1).to(tl.int64) - tl.load(kv_indptr + b).to(tl.int64)
@@ -248,7 +253,7 @@ def decode_attention(
         mid_o = mid_lse = out  # unused
     upcast, prec = dot_flags(q.dtype)
     sinks_arg = sinks if sinks is not None else q
-    kw = {"num_warps": num_warps, "num_stages": num_stages}
+    kw = {"num_warps": num_warps, "num_stages": num_stages, **pdl_kwargs(q)}
     _decode_stage1[(bs, HKV * head_blocks, num_kv_splits)](
         q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks_arg,
         scaling, logit_softcap if logit_softcap else 1.0,
@@ -268,5 +273,6 @@ def decode_attention(
             mid_lse.stride(0), mid_lse.stride(1),
             DV=DV, BLOCK_DV=_block_d(DV), BLOCK_N=block_n,
             NUM_SPLITS=num_kv_splits, MIN_CHUNK=max(block_n, min_split_len), HAS_SINKS=sinks is not None,
+            **pdl_kwargs(q),
         )
     return out

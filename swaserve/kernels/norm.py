@@ -8,11 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps,
                      UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_RES: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -54,7 +57,7 @@ def rms_norm(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, res2, out, x2.stride(0), res2.stride(0), out.stride(0), dim, eps,
             UNIT_OFFSET=unit_offset, WEIGHT_FP32=weight_fp32, HAS_RES=residual is not None, BLOCK=block,
-            num_warps=4 if block <= 2048 else 8,
+            num_warps=4 if block <= 2048 else 8, **pdl_kwargs(x2),
         )
     return out.view(x.shape)
 
@@ -87,7 +90,8 @@ def _load_x(x_ptr, row, stride_x, stride_part, cols, mask, ty: tl.constexpr, NUM
 def _add_rms_norm_kernel(x_ptr, res_ptr, pw_ptr, nw_ptr, h_ptr, y_ptr,
                          stride_x, stride_part, stride_res, stride_h, stride_y, n_cols, eps,
                          UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_POST: tl.constexpr,
-                         NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
+                         NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -144,5 +148,6 @@ def add_rms_norm(
             UNIT_OFFSET=unit_offset, WEIGHT_FP32=weight_fp32, HAS_POST=post_weight is not None,
             NUM_PARTS=x.shape[0] if parts else 0, BLOCK=block,
             num_warps=4 if block <= 2048 and not parts else 8,  # parts: fewer registers per thread
+            **pdl_kwargs(res2),
         )
     return h.view(residual.shape), y.view(residual.shape)

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.norm import _weighted
+from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -16,8 +17,9 @@ def _qk_norm_rope_store_kernel(
     stride_t, stride_c, stride_kbt, stride_kbh, stride_vbt, stride_vbh, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
     HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_MAP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # q heads, then k heads: contiguous in qkv, so one base formula serves both
     offs = tl.arange(0, BLOCK)
@@ -103,5 +105,5 @@ def qk_norm_rope_store(
         qkv.stride(0), cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=half, HAS_NORM=q_weight is not None, UNIT_OFFSET=unit_offset,
         WEIGHT_FP32=weight_fp32, HAS_MAP=loc_map is not None, BLOCK=triton.next_power_of_2(half),
-        num_warps=1 if half <= 128 else 2,
+        num_warps=1 if half <= 128 else 2, **pdl_kwargs(qkv),
     )

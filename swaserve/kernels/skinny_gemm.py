@@ -19,6 +19,7 @@ import triton.language as tl
 
 from swaserve.kernels.activation import ACTS, gated_act
 from swaserve.kernels.decode_attention import dot_flags
+from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 MAX_M = 64  # the row tile; larger batches use the library GEMM
 
@@ -27,8 +28,9 @@ MAX_M = 64  # the row tile; larger batches use the library GEMM
 def _skinny_gemm_kernel(
     x, w, out, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -55,8 +57,9 @@ def _skinny_gemm_kernel(
 def _skinny_gated_kernel(
     x, w, out, M, I, K, stride_xm, stride_wn, stride_om,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
@@ -139,7 +142,7 @@ def skinny_gemm(
     _skinny_gemm_kernel[(triton.cdiv(N, block_n), splits)](
         x, weight, o3, M, N, K, x.stride(0), weight.stride(0), o3.stride(0), o3.stride(1),
         K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast, PREC=prec, num_warps=num_warps, num_stages=num_stages,
+        UPCAST=upcast, PREC=prec, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(x),
     )
     return out
 
@@ -177,6 +180,6 @@ def skinny_gated_gemm(
     _skinny_gated_kernel[(triton.cdiv(inter, block_n),)](
         x, weight, out, M, inter, K, x.stride(0), weight.stride(0), out.stride(0),
         ACT=ACTS[activation], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast, PREC=prec, num_warps=num_warps, num_stages=num_stages,
+        UPCAST=upcast, PREC=prec, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(x),
     )
     return out
