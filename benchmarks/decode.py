@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,13 +59,14 @@ def main() -> None:
     ap.add_argument("--max-tokens-in-flight", type=int, default=1 << 20, help="skip points with bs*ctx above this")
     ap.add_argument("--quick", action="store_true", help="1B at bs 1/64, ctx 512/2048; 4B at bs 1, ctx 1024")
     ap.add_argument("--disable-cuda-graph", action="store_true")
-    ap.add_argument("--library-gemm", action="store_true",
-                    help="A/B: decode GEMMs through cuBLAS (+ act_and_mul) instead of the skinny Triton GEMMs")
+    ap.add_argument("--skinny-gemm", action="store_true",
+                    help="A/B: decode GEMMs as the skinny Triton kernels (SWASERVE_SKINNY_GEMM=1)")
+    ap.add_argument("--pdl", action="store_true", help="A/B: PDL launches for the step's Triton kernels (SWASERVE_PDL=1)")
     a = ap.parse_args()
-    if a.library_gemm:
-        import swaserve.kernels.skinny_gemm as skinny
-
-        skinny.MAX_M = 0  # the layers read it at call time: no batch qualifies
+    if a.skinny_gemm:
+        os.environ["SWASERVE_SKINNY_GEMM"] = "1"
+    if a.pdl:
+        os.environ["SWASERVE_PDL"] = "1"
     from swaserve.engine import Engine
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,8 +12,9 @@ statement, before any global memory access. It waits for the previous kernel in 
 complete and flush (which, transitively, covers everything before it), then lets the next kernel
 launch. Kernels launched without PDL keep plain stream order, so mixing is safe.
 
-Off in the Triton interpreter, below compute capability 9, with a Triton that lacks the launch
-option, and with SWASERVE_DISABLE_PDL=1 (to compare, or to rule it out).
+Experimental and OFF unless SWASERVE_PDL=1: written at the end of a session whose GPU time ran
+out before it could be compiled or measured on the GPU (see benchmarks/NOTES.md). Also off in the
+Triton interpreter, below compute capability 9, and with a Triton that lacks the launch option.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import triton.language as tl
 
 @functools.cache
 def pdl_supported() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SWASERVE_DISABLE_PDL") == "1":
+    if os.environ.get("SWASERVE_PDL") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return False

@@ -44,7 +44,7 @@ class OutLinear(nn.Linear):
     """An output projection (o_proj, down_proj) feeding a residual add.
 
     `forward(x, partial_sums=True)` may return float32 split-K partial sums `[S, M, N]` instead of
-    `[M, N]`: on CUDA, without bias, for at most `skinny_gemm.MAX_M` rows (decode batches), where
+    `[M, N]`: without bias, where `skinny_gemm.use_skinny(x)` (opt-in, CUDA, decode-sized batches):
     the weight stream needs more programs than N's tiles give. `add_norm` sums them; nothing else
     should ask for them. The split count depends on the weight shape and the GPU only.
     """
@@ -52,10 +52,10 @@ class OutLinear(nn.Linear):
     _splits: int | None = None
 
     def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:
-        if partial_sums and x.is_cuda and self.bias is None and x.dim() == 2:
-            from swaserve.kernels.skinny_gemm import MAX_M, skinny_gemm, skinny_gemm_splits
+        if partial_sums and x.is_cuda and self.bias is None:
+            from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits, use_skinny
 
-            if 0 < x.shape[0] <= MAX_M:
+            if use_skinny(x):
                 if self._splits is None:
                     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
                     self._splits = skinny_gemm_splits(self.out_features, self.in_features, sms)

@@ -29,13 +29,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up, partial_sums)
 
     def _fused_gate_up_act(self, x: torch.Tensor) -> torch.Tensor:
-        """`act(gate) * up` on CUDA: one weight-streaming launch for decode-sized batches without
-        bias, else the library GEMM and one `act_and_mul` launch."""
+        """`act(gate) * up` on CUDA: the library GEMM and one `act_and_mul` launch, or one skinny
+        launch for decode-sized batches without bias where enabled (`skinny_gemm.use_skinny`)."""
         from swaserve.kernels.activation import act_and_mul
-        from swaserve.kernels.skinny_gemm import MAX_M, skinny_gated_gemm
+        from swaserve.kernels.skinny_gemm import skinny_gated_gemm, use_skinny
 
         assert self.fused_act is not None
-        if self.gate_up_proj.bias is None and x.dim() == 2 and 0 < x.shape[0] <= MAX_M:
+        if self.gate_up_proj.bias is None and use_skinny(x):
             return skinny_gated_gemm(x if x.stride(1) == 1 else x.contiguous(), self.gate_up_proj.weight,
                                      self.fused_act)
         return act_and_mul(self.gate_up_proj(x), self.fused_act)

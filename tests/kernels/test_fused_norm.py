@@ -93,7 +93,7 @@ def test_add_rms_norm_empty(device):
 @pytest.mark.parametrize("parts", [1, 3, 15])
 def test_add_rms_norm_sums_split_k_partials(device, seed, dtype, has_post, parts):
     """x given as float32 partial sums [S, T, dim] (skinny_gemm's output): summed in split order and
-    rounded to the dtype, then exactly the one-tensor path."""
+    rounded to the dtype, then the one-tensor path (bit for bit in the interpreter)."""
     g = torch.Generator().manual_seed(seed)
     dim = 640
     post = _norm(dim, FORMS[0], dtype, device, g) if has_post else None
@@ -107,6 +107,10 @@ def test_add_rms_norm_sums_split_k_partials(device, seed, dtype, has_post, parts
     h, y = add_rms_norm(partial, res, pw, nxt.weight, 1e-6, unit_offset=True)
     h_ref, y_ref = add_rms_norm(total.to(dtype), res, pw, nxt.weight, 1e-6, unit_offset=True)
     assert h.shape == y.shape == res.shape and h.dtype == dtype
-    assert torch.equal(h, h_ref) and torch.equal(y, y_ref), f"seed={seed}"
+    if INTERPRET:
+        assert torch.equal(h, h_ref) and torch.equal(y, y_ref), f"seed={seed}"
+    else:  # the partial-sum launch uses 8 warps (register pressure): another fp32 reduction tree
+        torch.testing.assert_close(h, h_ref, **_tol(dtype), msg=lambda m: f"seed={seed}: {m}")
+        torch.testing.assert_close(y, y_ref, **_tol(dtype), msg=lambda m: f"seed={seed}: {m}")
     with pytest.raises(AssertionError):
         add_rms_norm(partial.to(dtype) if dtype != torch.float32 else partial[:, :3], res, pw, nxt.weight, 1e-6)
