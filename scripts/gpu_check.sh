@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one command, from the repo root: `bash scripts/gpu_check.sh`.
-# Runs (a) the kernel tests natively on CUDA, (b) the GPU-marked tests, (c) the quick decode
-# benchmark; each step's log goes to $OUT (default /tmp/out). Every step runs even if an earlier one
+# Runs (a) the kernel tests natively on CUDA, (b) the GPU-marked tests, (d) the graph-padding test
+# with the opt-in fast paths on, (c) the quick decode benchmark; each step's log goes to $OUT (default /tmp/out). Every step runs even if an earlier one
 # failed; each has a time limit so the whole run stays under ~9 minutes. Ends with a summary table
 # and exits non-zero if any step failed.
 set -uo pipefail
@@ -82,6 +82,9 @@ run_step() {
 run_step a_kernel_tests "$LIMIT_A" python3 -m pytest -q -p no:cacheprovider tests/kernels
 run_step b_gpu_tests "$LIMIT_B" python3 -m pytest -q -p no:cacheprovider --durations=12 -m gpu \
     tests/gpu tests/unit/test_sampler.py
+# The opt-in fast paths (skinny decode GEMMs, PDL launches): graph padding must stay bit-identical.
+SWASERVE_SKINNY_GEMM=1 SWASERVE_PDL=1 run_step d_fast_paths 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/gpu/test_cuda_graph_padding.py
 if [ -f benchmarks/decode.py ]; then
     run_step c_decode_bench "$LIMIT_C" python3 benchmarks/decode.py --quick
     if [ -f "$OUT/c_decode_bench.log" ]; then

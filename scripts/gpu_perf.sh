@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's benchmark command, from the repo root: `bash scripts/gpu_perf.sh [step ...]`.
-# Steps (default: all): profile decode vs_hf offline prefill capacity. Each step's log goes to
+# Steps (default: all but fastpaths): profile decode vs_hf offline prefill capacity fastpaths. Each step's log goes to
 # $OUT/<step>.log (default /tmp/out) and its last lines are printed; every step runs even if an
 # earlier one failed, each under a time limit, so the whole run fits one 10-minute device call.
 set -uo pipefail
@@ -27,6 +27,12 @@ for step in "${steps[@]}"; do
             for cfg in "1b 1 512" "1b 64 512" "1b 256 512" "4b 1 1024"; do
                 # shellcheck disable=SC2086
                 TAIL=24 run "profile_${cfg// /_}" 120 python3 scripts/profile_step.py $cfg
+            done ;;
+        fastpaths)  # A/B of the opt-in skinny GEMMs and PDL launches on the same shapes
+            for flags in "" "--pdl" "--skinny-gemm --pdl"; do
+                # shellcheck disable=SC2086
+                run "decode_ab${flags// /_}" 100 python3 benchmarks/decode.py --shapes 1b,4b --batch-sizes 1,64 \
+                    --contexts 512 --steps 32 $flags
             done ;;
         decode) run decode 240 python3 benchmarks/decode.py --shapes 1b,4b --batch-sizes 1,16,64,256 \
             --contexts 512,1024,2048,8192 --steps 48 ;;

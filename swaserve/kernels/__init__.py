@@ -25,6 +25,10 @@ host sync, grids fixed by host ints) unless stated otherwise.
 - `qk_norm_rope_store(qkv, ..., k_buf, v_buf, locs, loc_map=None)` (qk_norm_rope.py): per-head q/k RMSNorm, rotary
   and the K/V store of one attention layer in one launch, in place on the qkv projection.
 - `act_and_mul(gate_up, activation)`: `act(gate) * up` for silu, gelu and gelu_tanh (activation.py).
+- `skinny_gemm(x, weight, splits)` / `skinny_gated_gemm(x, weight, activation)` (skinny_gemm.py):
+  decode-sized (<= 64 rows) weight-streaming GEMMs; split-K float32 partial sums that `add_rms_norm`
+  sums, and gate/up + activation in one launch. Opt-in (`use_skinny`, SWASERVE_SKINNY_GEMM=1).
+- `pdl.py`: programmatic dependent launch for the decode step's kernels, opt-in (SWASERVE_PDL=1).
 
 Numerics: fp32 accumulation; fp32 inputs use true-fp32 dots (not tf32); bf16 probabilities are
 rounded to bf16 for the P.V product. Measured on one H100 (triton 3.6, bf16): decode at 2.9 TB/s
