@@ -2,9 +2,9 @@
 
 A decode step is ~10 launches per layer, each a few microseconds; the gap between one kernel's
 end and the next one's start is a real part of the step (measured on an H100, Gemma 3 1B at 64
-requests: 1.96 ms of graph replay for 1.96 ms of kernels with cuBLAS, which launches its GEMMs
-with PDL, but 2.06 ms for 1.98 ms of kernels once three of those GEMMs were Triton kernels
-launched plainly). With PDL the next kernel is launched while this one runs and waits on the
+requests: 1.96 ms of graph replay for 1.96 ms of kernels with cuBLAS, which most likely launches
+its GEMMs with PDL, but 2.06 ms for 1.98 ms of kernels once three of those GEMMs were Triton
+kernels launched plainly). With PDL the next kernel is launched while this one runs and waits on the
 device (`griddepcontrol.wait`) instead of on the launch.
 
 The contract, kept by every kernel that takes `USE_PDL`: `pdl_enter(USE_PDL)` is its first

@@ -29,8 +29,9 @@ MAX_M = 64  # the row tile; larger batches use the library GEMM
 def use_skinny(x: torch.Tensor) -> bool:
     """Whether the layers take the skinny GEMMs for input `x`: opt-in (SWASERVE_SKINNY_GEMM=1),
     CUDA, 2-D, 1..MAX_M rows. Off by default: each GEMM is faster than cuBLAS alone on an H100, but
-    a decode step got slower (Gemma 3 1B at 64 requests 2.14 -> 2.25 ms), because cuBLAS launches
-    with PDL and hides its launch gap while these kernels did not (benchmarks/NOTES.md)."""
+    a decode step got slower (Gemma 3 1B at 64 requests 2.14 -> 2.25 ms) with the same kernel time:
+    more launch gaps, most likely because cuBLAS launches with PDL and these kernels did not
+    (benchmarks/NOTES.md)."""
     return (os.environ.get("SWASERVE_SKINNY_GEMM") == "1" and x.is_cuda and x.dim() == 2
             and 0 < x.shape[0] <= MAX_M)
 
