@@ -110,14 +110,13 @@ class ModelRunner:
         """Logits `[batch_size, vocab]` float32 of each request's last new token. A decode batch
         reads its inputs from `last_tokens`; one that brings its own (tests, teacher forcing)
         stores them there first, so the eager and graph paths see the same inputs."""
-        if batch.is_decode:
-            if batch.input_ids is not None:
-                self.last_tokens.index_copy_(0, batch.req_pool_indices, batch.input_ids)
-                self.last_tokens[:1].zero_()  # a padding row in the batch must not leave a token in row 0
-            else:
-                batch.input_ids = self.last_tokens[batch.req_pool_indices]
+        if batch.is_decode and batch.input_ids is not None:
+            self.last_tokens.index_copy_(0, batch.req_pool_indices, batch.input_ids)
+            self.last_tokens[:1].zero_()  # a padding row in the batch must not leave a token in row 0
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)
+            return self.graph_runner.replay(batch)  # gathers its inputs from the table in the graph
+        if batch.is_decode and batch.input_ids is None:
+            batch.input_ids = self.last_tokens[batch.req_pool_indices]
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)  # [num_tokens, hidden]
