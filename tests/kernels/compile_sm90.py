@@ -1,0 +1,162 @@
+"""Compile the decode step's Triton kernels ahead of time for an H100 (sm_90) on a machine without a
+GPU, and report what the GPU would otherwise be needed to find out: whether the PDL form waits
+(`griddepcontrol.wait`) before its first global memory access, and how much shared memory each
+launch configuration needs. Prints one JSON line per kernel. Run by test_compile_sm90.py in a
+subprocess, because the kernel tests' process has Triton in interpreter mode.
+
+    python tests/kernels/compile_sm90.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "needs compiled (not interpreted) Triton kernels"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+# By module path: the package re-exports a function named decode_attention over the module's name.
+activation = importlib.import_module("swaserve.kernels.activation")
+decode_attention = importlib.import_module("swaserve.kernels.decode_attention")
+norm = importlib.import_module("swaserve.kernels.norm")
+qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
+skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
+
+TARGET = GPUTarget("cuda", 90, 32)
+H100_SMEM = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
+_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
+        torch.int64: "*i64"}
+_GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kw)` records the call instead of launching."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((args, kw))
+
+
+def _signature(kernel, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
+    """Signature, constexprs, options and attributes as the JIT would specialise this call on a GPU:
+    16-byte aligned pointers and ints divisible by 16 marked so, ints equal to 1 made constants
+    (without the marks Triton cannot use asynchronous copies and the pipeline looks different)."""
+    sig, consts, attrs, options = {}, {}, {}, {"launch_pdl": True}
+    named = dict(zip(kernel.arg_names, args))
+    for k, v in kw.items():
+        if k in ("num_warps", "num_stages"):
+            options[k] = v
+        elif k != "launch_pdl":
+            named[k] = v
+    named["USE_PDL"] = True
+    aligned = [["tt.divisibility", 16]]
+    for i, p in enumerate(kernel.params):
+        v = named[p.name]
+        if p.is_constexpr or (type(v) is int and v == 1):
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = _PTR[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = aligned
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i64" if abs(v) >= 2**31 else "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = aligned
+        else:
+            sig[p.name] = "fp32"
+    return sig, consts, options, attrs
+
+
+def _check(name: str, module, attr: str, call) -> dict:
+    # Every kernel of the module records (a wrapper may launch two); `attr` is the one compiled.
+    kernels = {k: v for k, v in vars(module).items() if isinstance(v, triton.runtime.jit.JITFunction)
+               and "USE_PDL" in v.arg_names}
+    recorders = {k: _Recorder(v) for k, v in kernels.items()}
+    for k, rec in recorders.items():
+        setattr(module, k, rec)
+    try:
+        call()
+    finally:
+        for k, v in kernels.items():
+            setattr(module, k, v)
+    kernel = kernels[attr]
+    args, kw = recorders[attr].calls[0]
+    sig, consts, options, attrs = _signature(kernel, args, kw)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=TARGET, options=options)
+    lines = compiled.asm["ptx"].splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    first_access = next((i for i, line in enumerate(lines) if _GLOBAL_ACCESS.search(line)), None)
+    return {"kernel": name, "pdl_wait": wait is not None,
+            "wait_before_memory": wait is not None and (first_access is None or wait < first_access),
+            "launch_dependents": any("griddepcontrol.launch_dependents" in line for line in lines),
+            "shared": compiled.metadata.shared, "fits_h100": compiled.metadata.shared <= H100_SMEM}
+
+
+def main() -> None:
+    bf16, f32 = torch.bfloat16, torch.float32
+    T, dim, inter = 4, 1152, 6912
+    x, res = torch.zeros(T, dim, dtype=bf16), torch.zeros(T, dim, dtype=bf16)
+    w = torch.zeros(dim, dtype=bf16)
+    parts = torch.zeros(8, T, dim, dtype=f32)
+    qkv = torch.zeros(T, 6 * 256, dtype=bf16)
+    cos = torch.zeros(T, 128, dtype=f32)
+    kv_buf = torch.zeros(16, 1, 256, dtype=bf16)
+    locs = torch.zeros(T, dtype=torch.int64)
+    q, out = torch.zeros(T, 4, 256, dtype=bf16), torch.zeros(T, 4, 256, dtype=bf16)
+    indptr, indices = torch.zeros(T + 1, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    cases = [
+        ("rms_norm", norm, "_rms_norm_kernel", lambda: norm.rms_norm(x, w, 1e-6, unit_offset=True, residual=res)),
+        ("add_rms_norm", norm, "_add_rms_norm_kernel", lambda: norm.add_rms_norm(x, res, w, w, 1e-6, unit_offset=True)),
+        ("add_rms_norm[8 parts]", norm, "_add_rms_norm_kernel",
+         lambda: norm.add_rms_norm(parts, res, w, w, 1e-6, unit_offset=True)),
+        ("act_and_mul", activation, "_act_and_mul_kernel",
+         lambda: activation.act_and_mul(torch.zeros(T, 2 * inter, dtype=bf16), "gelu_tanh")),
+        ("qk_norm_rope_store", qk_norm_rope, "_qk_norm_rope_store_kernel",
+         lambda: qk_norm_rope.qk_norm_rope_store(qkv, 4, 1, 256, cos, cos, torch.zeros(256, dtype=bf16),
+                                                 torch.zeros(256, dtype=bf16), 1e-6, kv_buf, kv_buf, locs,
+                                                 unit_offset=True)),
+        ("decode_stage1[split]", decode_attention, "_decode_stage1",
+         lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=4)),
+        ("decode_stage1[direct]", decode_attention, "_decode_stage1",
+         lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=1)),
+        ("decode_stage2", decode_attention, "_decode_stage2",
+         lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=4)),
+    ]
+    for dtype in (bf16, f32):
+        tag = "bf16" if dtype == bf16 else "fp32"
+        xs = torch.zeros(T, inter, dtype=dtype)
+        cases += [
+            (f"skinny_gemm[{tag}]", skinny_gemm, "_skinny_gemm_kernel",
+             lambda xs=xs, dtype=dtype: skinny_gemm.skinny_gemm(xs, torch.zeros(dim, inter, dtype=dtype), 8)),
+            (f"skinny_gated_gemm[{tag}, K=1152]", skinny_gemm, "_skinny_gated_kernel",
+             lambda dtype=dtype: skinny_gemm.skinny_gated_gemm(torch.zeros(T, dim, dtype=dtype),
+                                                               torch.zeros(2 * inter, dim, dtype=dtype), "gelu_tanh")),
+            (f"skinny_gated_gemm[{tag}, K=2560]", skinny_gemm, "_skinny_gated_kernel",
+             lambda dtype=dtype: skinny_gemm.skinny_gated_gemm(torch.zeros(T, 2560, dtype=dtype),
+                                                               torch.zeros(2 * 10240, 2560, dtype=dtype), "gelu_tanh")),
+        ]
+    failed = False
+    for name, module, attr, call in cases:
+        try:
+            print(json.dumps(_check(name, module, attr, call)), flush=True)
+        except Exception as e:  # report every kernel, then fail
+            failed = True
+            print(json.dumps({"kernel": name, "error": f"{type(e).__name__}: {e}"[:400]}), flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

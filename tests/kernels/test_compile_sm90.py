@@ -1,0 +1,34 @@
+"""The decode step's kernels compiled for an H100 (sm_90) on this CPU machine, in their PDL form
+(`compile_sm90.py`, in a subprocess: this process runs Triton in interpreter mode). Checks what a
+GPU run would otherwise be the first to see: each kernel waits on the previous one
+(`griddepcontrol.wait`) before it touches global memory, releases the next one, and every default
+launch configuration fits the H100's shared memory (fp32 skinny tiles once did not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia.compiler")
+SCRIPT = Path(__file__).with_name("compile_sm90.py")
+
+
+def test_pdl_kernels_compile_for_sm90_and_wait_before_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, f"no results (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    errors = [r for r in rows if "error" in r]
+    assert not errors and proc.returncode == 0, errors or proc.stderr[-3000:]
+    names = {r["kernel"] for r in rows}
+    assert {"add_rms_norm", "qk_norm_rope_store", "decode_stage1[split]", "decode_stage2", "act_and_mul",
+            "skinny_gemm[bf16]", "skinny_gated_gemm[fp32, K=1152]"} <= names
+    for r in rows:
+        assert r["pdl_wait"] and r["wait_before_memory"] and r["launch_dependents"], r
+        assert r["fits_h100"], r
