@@ -62,11 +62,15 @@ def main() -> None:
     ap.add_argument("--skinny-gemm", action="store_true",
                     help="A/B: decode GEMMs as the skinny Triton kernels (SWASERVE_SKINNY_GEMM=1)")
     ap.add_argument("--pdl", action="store_true", help="A/B: PDL launches for the step's Triton kernels (SWASERVE_PDL=1)")
+    ap.add_argument("--fused-combine", action="store_true",
+                    help="A/B: decode splits combined in stage 1, no stage-2 launch (SWASERVE_FUSED_SPLIT_COMBINE=1)")
     a = ap.parse_args()
     if a.skinny_gemm:
         os.environ["SWASERVE_SKINNY_GEMM"] = "1"
     if a.pdl:
         os.environ["SWASERVE_PDL"] = "1"
+    if a.fused_combine:
+        os.environ["SWASERVE_FUSED_SPLIT_COMBINE"] = "1"
     from swaserve.engine import Engine
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -82,8 +82,9 @@ run_step() {
 run_step a_kernel_tests "$LIMIT_A" python3 -m pytest -q -p no:cacheprovider tests/kernels
 run_step b_gpu_tests "$LIMIT_B" python3 -m pytest -q -p no:cacheprovider --durations=12 -m gpu \
     tests/gpu tests/unit/test_sampler.py
-# The opt-in fast paths (skinny decode GEMMs, PDL launches): graph padding must stay bit-identical.
-SWASERVE_SKINNY_GEMM=1 SWASERVE_PDL=1 run_step d_fast_paths 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+# The opt-in fast paths (skinny decode GEMMs, PDL launches, split combine in stage 1): graph padding
+# must stay bit-identical.
+SWASERVE_SKINNY_GEMM=1 SWASERVE_PDL=1 SWASERVE_FUSED_SPLIT_COMBINE=1 run_step d_fast_paths 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/gpu/test_cuda_graph_padding.py
 if [ -f benchmarks/decode.py ]; then
     run_step c_decode_bench "$LIMIT_C" python3 benchmarks/decode.py --quick

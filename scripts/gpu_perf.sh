@@ -28,8 +28,8 @@ for step in "${steps[@]}"; do
                 # shellcheck disable=SC2086
                 TAIL=24 run "profile_${cfg// /_}" 120 python3 scripts/profile_step.py $cfg
             done ;;
-        fastpaths)  # A/B of the opt-in skinny GEMMs and PDL launches on the same shapes
-            for flags in "" "--pdl" "--skinny-gemm --pdl"; do
+        fastpaths)  # A/B of the opt-in skinny GEMMs, PDL launches and fused split combine
+            for flags in "" "--pdl" "--pdl --fused-combine" "--skinny-gemm --pdl --fused-combine"; do
                 # shellcheck disable=SC2086
                 run "decode_ab${flags// /_}" 100 python3 benchmarks/decode.py --shapes 1b,4b --batch-sizes 1,64 \
                     --contexts 512 --steps 32 $flags

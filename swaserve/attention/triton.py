@@ -8,6 +8,8 @@ sized for the largest captured batch, so the builders can be recorded into a CUD
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +23,7 @@ from swaserve.kernels import (
     extend_attention,
     kv_indices_capacity,
     num_kv_splits_for,
+    split_counter_count,
     store_kv,
 )
 
@@ -75,6 +78,14 @@ class TritonAttnBackend(AttentionBackend):
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 8
         )
         self._splits: dict[tuple[int, bool, int, int], int] = {}
+        # Opt-in (SWASERVE_FUSED_SPLIT_COMBINE=1, not yet measured on a GPU): decode splits combined
+        # by their last program instead of a stage-2 launch. The counters return to 0 after every
+        # launch, so one zeroed buffer serves all layers, eager steps and graph replays.
+        self._split_counters = None
+        if os.environ.get("SWASERVE_FUSED_SPLIT_COMBINE") == "1":
+            # Room for 16 (kv head x head block) programs per request; wider layers use stage 2.
+            self._split_counters = torch.zeros((req_to_token.max_reqs + 1) * 16, dtype=torch.int32,
+                                               device=self.device)
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -165,8 +176,12 @@ class TritonAttnBackend(AttentionBackend):
         softcap = spec.logit_softcap or 0.0
         if batch.is_decode:
             splits = self._num_splits(batch.batch_size, spec, windowed)
+            counters = self._split_counters
+            need = split_counter_count(batch.batch_size, spec.num_heads, spec.num_kv_heads)
+            if counters is not None and need > counters.numel():
+                counters = None
             decode_attention(q, k_buf, v_buf, kl.indptr, kl.indices, out, spec.scaling,
-                             logit_softcap=softcap, sinks=sinks, num_kv_splits=splits)
+                             logit_softcap=softcap, sinks=sinks, num_kv_splits=splits, split_counters=counters)
         else:
             extend_attention(q, k, v, out, k_buf, v_buf, meta.qo_indptr, kl.indptr, kl.indices, meta.prefix_lens,
                              spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,

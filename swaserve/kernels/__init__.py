@@ -16,6 +16,8 @@ host sync, grids fixed by host ints) unless stated otherwise.
   num_kv_splits, ...)`: split-K flash decoding, GQA heads of one kv head in one program, soft-cap,
   per-head sinks, Dk != Dv (padded to powers of 2). Window-agnostic: the list is the window.
   0 keys -> output 0; padded rows (one key at slot 0) are finite. `num_kv_splits_for` picks splits.
+  With `split_counters` (opt-in, SWASERVE_FUSED_SPLIT_COMBINE=1 in the backend) the last split
+  program combines the splits: one launch instead of two.
 - `extend_attention(q, k_new, v_new, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices,
   prefix_lens, scaling, max_extend_len, window, logit_softcap, sinks, prefix_start)`: new tokens
   attend the cached prefix through its list (entry j at position prefix_start + j) and each other
@@ -37,7 +39,7 @@ of K/V for bs=64 x 8k keys (Gemma 3 and Gemma 4 d512 shapes), extend 116-246 TFL
 
 from __future__ import annotations
 
-from swaserve.kernels.decode_attention import decode_attention, num_kv_splits_for
+from swaserve.kernels.decode_attention import decode_attention, num_kv_splits_for, split_counter_count
 from swaserve.kernels.extend_attention import extend_attention
 from swaserve.kernels.index_builders import build_kv_indices, kv_indices_capacity
 from swaserve.kernels.store_kv import store_kv
@@ -48,5 +50,6 @@ __all__ = [
     "extend_attention",
     "kv_indices_capacity",
     "num_kv_splits_for",
+    "split_counter_count",
     "store_kv",
 ]

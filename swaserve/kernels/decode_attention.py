@@ -84,13 +84,13 @@ def _split_bounds(n, split, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, B
 
 @triton.jit
 def _decode_stage1(
-    q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks,
+    q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks, counters,
     qk_scale, softcap,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -143,6 +143,44 @@ def _decode_stage1(
         tl.store(mid_o + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + dv[None, :],
                  o, mask=ok[:, None] & (dv[None, :] < DV))
         tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, m + tl.log2(l), mask=ok)
+        if FUSED_REDUCE:
+            # The last of this (request, head block)'s split programs to finish combines them, so
+            # no stage-2 launch. Its release (after the barrier) publishes this program's stores;
+            # the last one's acquire makes every split's visible; it resets the counter for the
+            # next launch. Partials are read past L1 (.cg): L1 is not coherent across SMs.
+            tl.debug_barrier()
+            cnt = counters + b * (tl.num_programs(1)) + tl.program_id(1)
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.store(cnt, 0)
+                _, _, nsplits = _split_bounds(n, 0, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+                acc, m, l = _combine_splits(mid_o, mid_lse, b, heads, hmask, nsplits, dv, DV,
+                                            stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_DV)
+                o = _finish(acc, m, l, sinks, heads, hmask, HAS_SINKS)
+                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+                         o.to(out.dtype.element_ty), mask=hmask[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _combine_splits(mid_o, mid_lse, b, heads, hmask, nsplits, dv, DV: tl.constexpr,
+                    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, R: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Merge the first `nsplits` split results of `heads` ([R]) of request b: (acc, m, l) with
+    acc [R, BLOCK_DV] the lse-weighted sum of the split outputs, m the max lse, l the weights' sum."""
+    m = tl.full([R], float("-inf"), tl.float32)
+    l = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, BLOCK_DV], tl.float32)
+    for s in range(nsplits):
+        lse = tl.load(mid_lse + b * stride_lb + heads * stride_lh + s, mask=hmask, other=float("-inf"),
+                      cache_modifier=".cg")
+        o = tl.load(mid_o + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + dv[None, :],
+                    mask=hmask[:, None] & (dv[None, :] < DV), other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # masked rows: no NaN
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        l = l * alpha + w
+        m = m_new
+    return acc, m, l
 
 
 @triton.jit
@@ -158,24 +196,20 @@ def _decode_stage2(
     n = tl.load(kv_indptr + b + 1).to(tl.int64) - tl.load(kv_indptr + b).to(tl.int64)
     _, _, nsplits = _split_bounds(n, 0, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     dv = tl.arange(0, BLOCK_DV)
-    # Rank-1 ([1]-shaped) running state so `_finish` can be shared with the 2-D kernels.
-    m = tl.full([1], float("-inf"), tl.float32)
-    l = tl.zeros([1], tl.float32)
-    acc = tl.zeros([1, BLOCK_DV], tl.float32)
-    for s in range(nsplits):
-        lse = tl.load(mid_lse + b * stride_lb + h * stride_lh + s + tl.zeros([1], tl.int32))
-        o = tl.load(mid_o + b * stride_mb + h * stride_mh + s * stride_ms + dv[None, :],
-                    mask=dv[None, :] < DV, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        l = l * alpha + w
-        m = m_new
+    # Rank-1 ([1]-shaped) heads so the combine and `_finish` are shared with the 2-D kernels.
     heads = h + tl.zeros([1], tl.int32)
+    acc, m, l = _combine_splits(mid_o, mid_lse, b, heads, heads >= 0, nsplits, dv, DV,
+                                stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, 1, BLOCK_DV)
     o = _finish(acc, m, l, sinks, heads, heads >= 0, HAS_SINKS)
     tl.store(out + b * stride_ob + h * stride_oh + dv[None, :], o.to(out.dtype.element_ty),
              mask=dv[None, :] < DV)
+
+
+def split_counter_count(bs: int, num_heads: int, num_kv_heads: int, block_h: int | None = None) -> int:
+    """Entries of `split_counters` a launch uses: one per (request, kv head, head block) program."""
+    group = num_heads // num_kv_heads
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(group)))
+    return bs * num_kv_heads * triton.cdiv(group, block_h)
 
 
 def num_kv_splits_for(
@@ -211,6 +245,7 @@ def decode_attention(
     min_split_len: int = 0,  # keys per split at least; > 0 with a fixed tile = deterministic splits
     mid_o: torch.Tensor | None = None,  # [bs, H, num_kv_splits, Dv] float32 scratch (graph buffers)
     mid_lse: torch.Tensor | None = None,  # [bs, H, num_kv_splits] float32 scratch
+    split_counters: torch.Tensor | None = None,  # int32, zeros, >= bs * Hkv * head blocks: combine in stage 1
     block_n: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
@@ -223,6 +258,9 @@ def decode_attention(
     (one key at the dummy slot 0) reads slot 0 and produces a finite value. Key count per split is
     rounded up to `block_n`, so a short list uses fewer splits. No host sync: grid and scratch
     depend only on `bs`, the head counts and `num_kv_splits`. Returns `out`.
+
+    With `split_counters` (all zero; left all zero) the last split program of each request and
+    head block to finish combines the splits, instead of a second launch: one launch per layer.
     """
     bs, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
@@ -251,22 +289,26 @@ def decode_attention(
         assert mid_o.shape[2] >= num_kv_splits and mid_o.stride(3) == 1 and mid_lse.stride(2) == 1
     else:
         mid_o = mid_lse = out  # unused
+    fused = not direct and split_counters is not None
+    if fused:
+        assert split_counters.dtype == torch.int32 and split_counters.numel() >= bs * HKV * head_blocks, (
+            "split_counters too small", split_counters.numel(), bs * HKV * head_blocks)
     upcast, prec = dot_flags(q.dtype)
     sinks_arg = sinks if sinks is not None else q
     kw = {"num_warps": num_warps, "num_stages": num_stages, **pdl_kwargs(q)}
     _decode_stage1[(bs, HKV * head_blocks, num_kv_splits)](
         q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks_arg,
-        scaling, logit_softcap if logit_softcap else 1.0,
+        split_counters if fused else kv_indptr, scaling, logit_softcap if logit_softcap else 1.0,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, DK=DK, DV=DV,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_block_d(DK), BLOCK_DV=_block_d(DV),
         NUM_SPLITS=num_kv_splits, MIN_CHUNK=max(block_n, min_split_len),
-        DIRECT=direct, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
+        DIRECT=direct, FUSED_REDUCE=fused, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
         UPCAST=upcast, PREC=prec, **kw,
     )
-    if not direct:
+    if not direct and not fused:
         _decode_stage2[(bs, H)](
             kv_indptr, out, mid_o, mid_lse, sinks_arg,
             out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

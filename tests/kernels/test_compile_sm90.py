@@ -27,7 +27,8 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_memory():
     errors = [r for r in rows if "error" in r]
     assert not errors and proc.returncode == 0, errors or proc.stderr[-3000:]
     names = {r["kernel"] for r in rows}
-    assert {"add_rms_norm", "qk_norm_rope_store", "decode_stage1[split]", "decode_stage2", "act_and_mul",
+    assert {"add_rms_norm", "qk_norm_rope_store", "decode_stage1[split]", "decode_stage1[split, fused combine]",
+            "decode_stage2", "act_and_mul",
             "skinny_gemm[bf16]", "skinny_gated_gemm[fp32, K=1152]"} <= names
     for r in rows:
         assert r["pdl_wait"] and r["wait_before_memory"] and r["launch_dependents"], r

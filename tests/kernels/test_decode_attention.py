@@ -30,8 +30,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("H,Hkv,Dk,Dv,dtype,window,softcap,use_sinks,splits", CASES)
-def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, splits, device, seed):
+def _counters(bs: int, device) -> torch.Tensor:
+    """Split counters for the one-launch combine (`split_counters`): zeros, generously sized."""
+    return torch.zeros(bs * 64, dtype=torch.int32, device=device)
+
+
+# Every split case again with the splits combined in stage 1 (`split_counters`).
+FUSED_CASES = [pytest.param(*c.values, True, id=f"{c.id}-fused") for c in CASES if c.values[-1] > 1]
+
+
+@pytest.mark.parametrize("H,Hkv,Dk,Dv,dtype,window,softcap,use_sinks,splits,fused",
+                         [pytest.param(*c.values, False, id=c.id) for c in CASES] + FUSED_CASES)
+def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, splits, fused, device, seed):
     g = torch.Generator().manual_seed(seed)
     bs = len(LENS)
     swa = window is not None
@@ -62,6 +72,8 @@ def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, spli
         kw["mid_o"] = torch.full((bs, H, splits, Dv), float("nan"), device=device)
         kw["mid_lse"] = torch.full((bs, H, splits), float("nan"), device=device)
     block_h = 16 if H // Hkv > 16 else None
+    if fused:
+        kw["split_counters"] = _counters(bs, device)
     decode_attention(
         q.to(device),
         k_buf,
@@ -79,6 +91,8 @@ def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, spli
     )
     out = out.cpu()
     assert not out.isnan().any(), f"output not fully written or NaN read (seed={seed})"
+    if fused:
+        assert not kw["split_counters"].any(), "the combining program must leave its counter at 0"
     for b, L in enumerate(LENS):
         pos = torch.arange(L)
         vis = window_mask(torch.tensor([L - 1]), pos, window)
@@ -91,9 +105,9 @@ def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, spli
         )
 
 
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits,fused", [(1, False), (4, False), (4, True)])
 @pytest.mark.parametrize("use_sinks", [False, True])
-def test_decode_empty_and_padded_rows(splits, use_sinks, device, seed):
+def test_decode_empty_and_padded_rows(splits, fused, use_sinks, device, seed):
     """A request with 0 keys gives 0 (no NaN); a padded graph row (one key, dummy slot 0) gives the
     finite attention over slot 0; a real request next to them is unaffected."""
     g = torch.Generator().manual_seed(seed)
@@ -118,6 +132,7 @@ def test_decode_empty_and_padded_rows(splits, use_sinks, device, seed):
         sinks=None if sinks is None else sinks.to(device),
         num_kv_splits=splits,
         block_n=16,
+        split_counters=_counters(4, device) if fused else None,
     )
     out = out.cpu().double()
     assert not out.isnan().any()
@@ -209,3 +224,28 @@ def test_num_kv_splits_for():
     assert num_kv_splits_for(1, 8, 4, 32768, 132) == 64  # capped by max_splits
     assert num_kv_splits_for(1, 8, 4, 512, 132) == 16  # one 32-key block per split
     assert num_kv_splits_for(1, 8, 4, 32, 132) == 1  # a one-block window is never split
+
+
+def test_fused_combine_equals_stage2_and_replays(device, seed):
+    """The one-launch combine gives what stage 2 gives, bit for bit, and its counters stay usable
+    launch after launch (as in graph replays over one buffer)."""
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv, D = 8, 2, 32
+    lens = [5, 40, 1, 77, 0, 33]
+    pools = make_pools([L for L in lens if L], Hkv, D, D, torch.float32, g, device)
+    parts, j = [], 0
+    for L in lens:
+        parts.append(pools.req_to_token[pools.rows[j], :L].cpu() if L else torch.zeros(0, dtype=torch.int64))
+        j += bool(L)
+    indices = torch.cat(parts).to(torch.int32).to(device)
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    counters = _counters(len(lens), device)
+    for step in range(3):
+        q = torch.randn(len(lens), H, D, generator=g).to(device)
+        ref = torch.full((len(lens), H, D), float("nan"), device=device)
+        got = torch.full_like(ref, float("nan"))
+        decode_attention(q, pools.k_full, pools.v_full, indptr, indices, ref, 0.2, num_kv_splits=5, block_n=16)
+        decode_attention(q, pools.k_full, pools.v_full, indptr, indices, got, 0.2, num_kv_splits=5, block_n=16,
+                         split_counters=counters)
+        assert torch.equal(got, ref), f"step {step} seed={seed}"
+        assert not counters.any()

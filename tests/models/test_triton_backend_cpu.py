@@ -31,10 +31,17 @@ def runtime(path, backend: str):
                          RunnerConfig(attention_backend=backend))
 
 
-def test_triton_backend_matches_torch_native(tmp_path):
+@pytest.mark.parametrize("combine", ["stage2", "fused"])
+def test_triton_backend_matches_torch_native(tmp_path, monkeypatch, combine):
+    """`fused`: decode splits combined in stage 1 (SWASERVE_FUSED_SPLIT_COMBINE=1)."""
+    if combine == "fused":
+        monkeypatch.setenv("SWASERVE_FUSED_SPLIT_COMBINE", "1")
     make_hf_model("gemma3", tmp_path, seed=5)
     ref, tri = runtime(tmp_path, "torch_native"), runtime(tmp_path, "triton")
-    assert type(tri.runner.attn_backend).__name__ == "TritonAttnBackend" and tri.kv.swa is not None
+    backend = tri.runner.attn_backend
+    assert type(backend).__name__ == "TritonAttnBackend" and tri.kv.swa is not None
+    assert (backend._split_counters is not None) == (combine == "fused")
+    assert max(backend._num_splits(3, s, w) for s in _specs(tri) for w in (False, True)) > 1, "splits to combine"
     prompts = [list(range(3, 23)), list(range(40, 45)), list(range(60, 73))]  # 20, 5, 13 tokens
     for rt in (ref, tri):
         for i, p in enumerate(prompts):
@@ -55,3 +62,9 @@ def test_triton_backend_matches_torch_native(tmp_path):
     full, swa = tri.allocator.full, tri.allocator.swa
     assert swa.size < full.size and sum(len(p) + 12 for p in prompts) > swa.size, "SWA slots were recycled"
     assert tri.allocator.swa.available() == tri.allocator.swa.size, "every SWA slot freed"
+    if combine == "fused":
+        assert not backend._split_counters.any(), "every combining program reset its counter"
+
+
+def _specs(rt):
+    return [m.spec for m in rt.runner.model.modules() if hasattr(m, "spec")]
