@@ -1,7 +1,8 @@
 """Offline throughput in the nano-vllm shape: 256 requests, prompt lengths uniform in 100-1024
 (seeded), 512 output tokens each, EOS ignored, on a random-weight Gemma 3 shape. Reports output tok/s
 and the fraction of the decode roofline over the run (sum over decode steps of the bytes each must
-read ÷ copy bandwidth, over the wall time of the whole run, prefill included)."""
+read ÷ copy bandwidth, over the wall time of the whole run, prefill included), and how the wall time
+splits between prefill and decode steps (host time between step() returns, by the step finished)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -48,11 +50,20 @@ def main() -> None:
     for i, n in enumerate(lens):
         engine.add_request(str(i), [rng.randint(10, 200000) for _ in range(n)], params)
     steps = decode_steps = 0
-    t0 = now(dev)
+    by_mode = {"extend": 0.0, "decode": 0.0}  # wall time between step() returns, by the step it finished
+    launched_before = None
+    t0 = t_prev = now(dev)
     while engine.has_unfinished():
         engine.step()  # no per-step sync: with overlap the host runs a step ahead of the device
         steps += 1
         decode_steps += engine.last_step is not None and engine.last_step[0] == "decode"
+        # With overlap a call returns once the step launched by the previous call is done.
+        finished = launched_before if engine.overlap else engine.last_step
+        launched_before = engine.last_step
+        t = time.perf_counter()
+        if finished is not None:
+            by_mode[finished[0]] += t - t_prev
+        t_prev = t
     dt = now(dev) - t0
     # The roofline of the decode work done: every decode step reads all weights once, and each
     # decoded token reads its request's K/V (positions n .. n+out-2 of a prompt of n decode; the
@@ -62,11 +73,13 @@ def main() -> None:
     total_out = a.num_requests * a.output_len
     r = dict(shape=a.shape, requests=a.num_requests, output_tokens=total_out, seconds=round(dt, 2),
              out_tok_per_s=round(total_out / dt, 1), roofline_frac=round(roof_s / dt, 3), steps=steps,
-             decode_steps=decode_steps,
+             decode_steps=decode_steps, prefill_s=round(by_mode["extend"], 2), decode_s=round(by_mode["decode"], 2),
+             decode_roofline_frac=round(roof_s / by_mode["decode"], 3) if by_mode["decode"] else None,
              retractions=engine.stats.retractions_total, hardware=hardware())
     print(json.dumps(r))
     print(f"\noffline {a.shape}: {a.num_requests} reqs, in {a.min_input}-{a.max_input}, out {a.output_len}: "
-          f"{r['out_tok_per_s']} out tok/s, {r['roofline_frac'] * 100:.1f}% of roofline over the run, {dt:.1f} s")
+          f"{r['out_tok_per_s']} out tok/s, {r['roofline_frac'] * 100:.1f}% of roofline over the run, {dt:.1f} s "
+          f"(prefill steps {r['prefill_s']} s, decode steps {r['decode_s']} s)")
 
 
 if __name__ == "__main__":
