@@ -62,13 +62,13 @@ def gated_case(model: str, N: int, K: int, batch_sizes: list[int], configs) -> l
     for M in batch_sizes:
         x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        cublas = graph_us(lambda i: act_and_mul(torch.mm(x, ws[i].T, out=out), "gelu_tanh"), copies)
+        cublas = graph_us(lambda i, x=x, out=out: act_and_mul(torch.mm(x, ws[i].T, out=out), "gelu_tanh"), copies)
         results = []
         for bn, bk, stages, warps in configs:
             try:
-                us = graph_us(lambda i: skinny_gated_gemm(x, ws[i], "gelu_tanh", block_n=bn, block_k=bk,
-                                                          num_warps=warps, num_stages=stages), copies)
-            except Exception as e:  # a config over the shared-memory limit
+                us = graph_us(lambda i, x=x, bn=bn, bk=bk, warps=warps, stages=stages: skinny_gated_gemm(
+                    x, ws[i], "gelu_tanh", block_n=bn, block_k=bk, num_warps=warps, num_stages=stages), copies)
+            except Exception as e:  # noqa: BLE001 -- a config over the shared-memory limit: report, go on
                 print(f"# {model} gated M={M} bn{bn} bk{bk} st{stages} w{warps}: {type(e).__name__}")
                 continue
             results.append((us, bn, bk, stages, warps, 1))
@@ -95,16 +95,16 @@ def case(model: str, proj: str, N: int, K: int, batch_sizes: list[int], configs,
     for M in batch_sizes:
         x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        cublas = graph_us(lambda i: torch.mm(x, ws[i].T, out=out), copies)
+        cublas = graph_us(lambda i, x=x, out=out: torch.mm(x, ws[i].T, out=out), copies)
         results = []
         for bn, bk, stages, warps, mult in configs:
             splits = max(1, int(skinny_gemm_splits(N, K, num_sms, bn, bk) * mult))
             part = torch.empty((splits, M, N) if splits > 1 else (M, N), device="cuda",
                                dtype=torch.float32 if splits > 1 else torch.bfloat16)
             try:
-                us = graph_us(lambda i: skinny_gemm(x, ws[i], splits, block_n=bn, block_k=bk, num_warps=warps,
-                                                    num_stages=stages, out=part), copies)
-            except Exception as e:  # a config over the shared-memory limit
+                us = graph_us(lambda i, x=x, s=splits, bn=bn, bk=bk, warps=warps, stages=stages, part=part: skinny_gemm(
+                    x, ws[i], s, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, out=part), copies)
+            except Exception as e:  # noqa: BLE001 -- a config over the shared-memory limit: report, go on
                 print(f"# {model} {proj} M={M} bn{bn} bk{bk} st{stages} w{warps}: {type(e).__name__}")
                 continue
             results.append((us, bn, bk, stages, warps, splits))

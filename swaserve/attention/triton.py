@@ -9,7 +9,6 @@ sized for the largest captured batch, so the builders can be recorded into a CUD
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 

@@ -17,10 +17,10 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "needs compiled (not interpreted) Triton kernels"
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 # By module path: the package re-exports a function named decode_attention over the module's name.
 activation = importlib.import_module("swaserve.kernels.activation")
@@ -155,7 +155,7 @@ def main() -> None:
     for name, module, attr, call in cases:
         try:
             print(json.dumps(_check(name, module, attr, call)), flush=True)
-        except Exception as e:  # report every kernel, then fail
+        except Exception as e:  # noqa: BLE001 -- report every kernel, then fail
             failed = True
             print(json.dumps({"kernel": name, "error": f"{type(e).__name__}: {e}"[:400]}), flush=True)
     sys.exit(1 if failed else 0)

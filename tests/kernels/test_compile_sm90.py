@@ -21,7 +21,8 @@ SCRIPT = Path(__file__).with_name("compile_sm90.py")
 def test_pdl_kernels_compile_for_sm90_and_wait_before_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, f"no results (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
     errors = [r for r in rows if "error" in r]

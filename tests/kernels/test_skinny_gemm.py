@@ -9,7 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits  # noqa: E402
+from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
@@ -32,7 +32,7 @@ def test_skinny_gemm_matches_reference(device, seed, dtype, m, n, k, splits):
     else:
         assert got.shape == (splits, m, n) and got.dtype == torch.float32
         total = got.sum(0)
-    tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.5)
+    tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 0.5}
     torch.testing.assert_close(total, _ref(x, w), **tol, msg=lambda s: f"seed={seed}: {s}")
 
 
@@ -87,7 +87,7 @@ def test_skinny_gated_gemm_matches_gemm_then_act(device, seed, dtype, act, m, in
     got = skinny_gated_gemm(x, w, act, block_n=32, block_k=64)
     assert got.shape == (m, inter) and got.dtype == dtype
     ref = act_and_mul(_ref(x, w).to(dtype), act)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got, ref, **tol, msg=lambda s: f"seed={seed}: {s}")
     with pytest.raises(ValueError, match="unsupported activation"):
         skinny_gated_gemm(x, w, "relu")
@@ -103,7 +103,7 @@ def test_default_launch_settings(device, seed, dtype, k):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, k, generator=g).to(device, dtype)
     w = (torch.randn(192, k, generator=g) / k**0.5).to(device, dtype)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(skinny_gemm(x, w, 2).sum(0), _ref(x, w), **tol)
     torch.testing.assert_close(skinny_gated_gemm(x, w, "gelu_tanh"), act_and_mul(_ref(x, w).to(dtype), "gelu_tanh"),
                                **tol)
