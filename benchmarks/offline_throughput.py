@@ -54,7 +54,9 @@ def main() -> None:
     launched_before = None
     t0 = t_prev = now(dev)
     while engine.has_unfinished():
-        engine.step()  # no per-step sync: with overlap the host runs a step ahead of the device
+        # No per-step sync (with overlap the host runs a step ahead); only finished outputs, as
+        # LLM.generate asks for.
+        engine.step(finished_only=True)
         steps += 1
         decode_steps += engine.last_step is not None and engine.last_step[0] == "decode"
         # With overlap a call returns once the step launched by the previous call is done.

@@ -37,7 +37,9 @@ def ours(shape: str, bs: int, inp: int, out: int, bw: float) -> dict:
         t = now(dev)
         t_decode, decode_steps = None, 0
         while engine.has_unfinished():
-            engine.step()  # no per-step sync: with overlap the host runs a step ahead of the device
+            # No per-step sync (with overlap the host runs a step ahead); only finished outputs, as
+            # generate() (ours and HF's) returns.
+            engine.step(finished_only=True)
             if engine.last_step and engine.last_step[0] == "decode" and engine.last_step[1] == bs:
                 if t_decode is None:
                     t_decode = time.perf_counter()  # the first full decode step was just launched

@@ -149,3 +149,27 @@ def test_abort_frees_memory(llm, long_ids):
     engine.abort("never-existed")
     assert not engine.has_unfinished()
     assert_pools_empty(llm)
+
+
+def test_finished_only_steps_report_just_the_finished_requests(llm):
+    """`step(finished_only=True)` (what LLM.generate uses) reports each request once, when it
+    finishes, with the same final output as the step-by-step reporting gives."""
+    engine = llm.engine
+    prompts = ["One, two,", "The sky is", "Once upon a time"]
+
+    def run(finished_only: bool) -> dict[str, tuple]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"fo{i}", p, SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True))
+        final: dict[str, tuple] = {}
+        while engine.has_unfinished():
+            for out in engine.step(finished_only=finished_only):
+                assert out.finished or not finished_only, "a running request was reported"
+                if out.finished:
+                    assert out.request_id not in final, "reported twice"
+                    c = out.outputs[0]
+                    final[out.request_id] = (c.text, list(c.token_ids), c.finish_reason)
+        return final
+
+    streamed, finished = run(False), run(True)
+    assert finished == streamed and len(finished) == len(prompts)
+    assert_pools_empty(llm)
