@@ -152,8 +152,8 @@ class Engine:
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduler step; outputs of the requests it advanced. `finished_only`: only of
-        those it finished (offline generation: at 256 running requests, building every running
-        request's output was ~40% of the host's step time on the CPU; streaming needs them all)."""
+        those it finished (offline generation: at 256 running requests the host step drops from 1.95 to 1.35 ms on the
+        CPU, benchmarks/host_step.py; streaming needs them all)."""
         batch = self.scheduler.schedule()
         launched = self.launcher.launch(batch) if batch is not None else None
         self.last_step = (batch.mode.value, len(batch.reqs), batch.num_tokens) if batch is not None else None

@@ -1,0 +1,73 @@
+"""Host cost of one engine step at many running requests, on any machine: the model is replaced by a
+stub that returns zero logits, so what is timed is scheduling, input building, sampling, output
+processing and output reporting — the Python work that must stay under the GPU step for overlap
+scheduling to hide it. Requests have random prompt lengths (so SWA eviction is spread over steps)
+and never finish during the timing.
+
+    python benchmarks/host_step.py [--requests 256] [--finished-only] [--steps 150] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+
+def tiny_gemma3():
+    """A one-layer Gemma 3 with a 512-token vocabulary: real engine plumbing, negligible compute."""
+    from transformers import Gemma3TextConfig
+
+    from swaserve.config import ModelConfig
+    from swaserve.loader import LoadedModel
+    from swaserve.runner.model_runner import build_model
+
+    hf = Gemma3TextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=1,
+                          num_key_value_heads=1, head_dim=32, intermediate_size=64, sliding_window=512,
+                          layer_types=["sliding_attention", "full_attention"], max_position_embeddings=8192)
+    hf.architectures = ["Gemma3ForCausalLM"]
+    config = ModelConfig.from_hf(hf)
+    model = build_model(config, torch.float32, "cpu")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return LoadedModel(config, model, None, "tiny-gemma3")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--finished-only", action="store_true", help="step(finished_only=True), as LLM.generate")
+    ap.add_argument("--steps", type=int, default=150, help="steps per timed round")
+    ap.add_argument("--rounds", type=int, default=7)
+    a = ap.parse_args()
+    from swaserve.engine import Engine
+    from swaserve.request import SamplingParams
+
+    engine = Engine(tiny_gemma3(), device="cpu", dtype=torch.float32, max_running_requests=a.requests,
+                    max_context=1024 + a.steps * (a.rounds + 1) + 64, max_prefill_tokens=16384)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=a.steps * (a.rounds + 1) + 32, ignore_eos=True)
+    for i in range(a.requests):
+        engine.add_request(str(i), [rng.randint(10, 500) for _ in range(rng.randint(100, 1024))], params)
+    while engine.scheduler.waiting:
+        engine.step()
+    logits = torch.zeros(a.requests, 512)
+    engine.runner.forward = lambda fb: logits[: fb.batch_size]  # the stub: host work only
+    for _ in range(5):
+        engine.step(finished_only=a.finished_only)
+    times = []
+    for _ in range(a.rounds):
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            engine.step(finished_only=a.finished_only)
+        times.append((time.perf_counter() - t) / a.steps * 1e3)
+    times.sort()
+    assert len(engine.scheduler.running) == a.requests, "requests finished during the timing"
+    print(f"host step, {a.requests} running requests, finished_only={a.finished_only}: "
+          f"median {times[len(times) // 2]:.3f} ms, min {times[0]:.3f} ms ({a.rounds} rounds of {a.steps} steps)")
+
+
+if __name__ == "__main__":
+    main()
