@@ -12,6 +12,8 @@ decode (one new token per step) that is W + margin + chunk.
 
 from __future__ import annotations
 
+import torch
+
 from swaserve.memory.req_to_token import ReqToTokenPool
 from swaserve.memory.swa import SWATokenToKVPoolAllocator
 
@@ -55,11 +57,23 @@ class SWAEvictor:
         Returns:
             the new `evicted`.
         """
-        frontier = self.frontier(next_query_pos)
-        if frontier - evicted < self.chunk:
-            return evicted
-        self.allocator.free_swa(self.req_to_token.slots(row, evicted, frontier))
-        return frontier
+        return self.evict_many([(row, next_query_pos, evicted)])[0]
+
+    def evict_many(self, items: list[tuple[int, int, int]]) -> list[int]:
+        """`evict` for several (row, next_query_pos, evicted) at once, with one `free_swa` call for
+        all of them (a decode step evicts a few requests; each call costs several tensor ops, and on
+        a GPU a copy and a launch). Returns the new `evicted` of each."""
+        out, dead = [], []
+        for row, next_query_pos, evicted in items:
+            frontier = self.frontier(next_query_pos)
+            if frontier - evicted < self.chunk:
+                out.append(evicted)
+                continue
+            dead.append(self.req_to_token.slots(row, evicted, frontier))
+            out.append(frontier)
+        if dead:
+            self.allocator.free_swa(dead[0] if len(dead) == 1 else torch.cat(dead))
+        return out
 
     def max_held(self, new_tokens_per_step: int = 1) -> int:
         """Upper bound on SWA slots one request holds (see the module docstring)."""

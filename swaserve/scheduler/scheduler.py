@@ -217,9 +217,11 @@ class Scheduler:
         if self.evictor is None:
             return
         due = self.evictor.threshold
-        for r in reqs:
-            if r.kv_len - r.swa_evicted >= due and r.row is not None and not r.finished:
-                r.swa_evicted = self.evictor.evict(r.row, r.kv_len, r.swa_evicted)
+        ready = [r for r in reqs if r.kv_len - r.swa_evicted >= due and r.row is not None and not r.finished]
+        if ready:
+            new = self.evictor.evict_many([(r.row, r.kv_len, r.swa_evicted) for r in ready])  # type: ignore[misc]
+            for r, evicted in zip(ready, new):
+                r.swa_evicted = evicted
 
     def _release(self, req: Req) -> None:
         if req.row is None:

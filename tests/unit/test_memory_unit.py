@@ -171,6 +171,28 @@ def test_eviction_chunks_and_bound():
     a.check_integrity(owned_full=table.slots(row, 0, 200))
 
 
+def test_evict_many_equals_one_evict_per_request():
+    """One free_swa call for a step's due requests frees exactly what per-request calls free."""
+    W, chunk = 6, 3
+    lens = [2, 9, 15, 30, 7]
+    states = []
+    for batched in (False, True):
+        a = SWATokenToKVPoolAllocator(full_size=128, swa_size=128)
+        table = ReqToTokenPool(len(lens), 64)
+        rows = [_request(a, table, n) for n in lens]
+        ev = SWAEvictor(a, table, W, margin=1, chunk=chunk)
+        items = [(row, n, 2 if n > 20 else 0) for row, n in zip(rows, lens)]  # one with a head start
+        if batched:
+            new = ev.evict_many(items)
+        else:
+            new = [ev.evict(*item) for item in items]
+        mapping = [a.translate_full_to_swa(table.slots(row, 0, n)).gt(0).tolist() for row, n in zip(rows, lens)]
+        states.append((new, mapping, a.swa_used()))
+        a.check_integrity(owned_full=torch.cat([table.slots(row, 0, n) for row, n in zip(rows, lens)]))
+    assert states[0] == states[1]
+    assert states[1][0] == [0, 3, 9, 24, 0], "requests below a chunk of dead positions (n = 2, 7) are left alone"
+
+
 def test_memory_plan_gemma3_12b_shape():
     full = KVGroup(tuple(range(8)), 8, 256, 256)
     swa = KVGroup(tuple(range(8, 48)), 8, 256, 256)
