@@ -61,8 +61,7 @@ class ReqToTokenPool:
 
     def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """Record one slot per (row, position) pair in one copy: the decode step's table update."""
-        r = torch.tensor(rows, dtype=torch.int64)
-        p = torch.tensor(positions, dtype=torch.int64)
+        r, p = torch.tensor([rows, positions], dtype=torch.int64)  # one conversion for both lists
         if len(positions) and max(positions) >= self.max_context:
             raise ValueError(f"position {max(positions)} is beyond the table's max_context {self.max_context}")
         host = slots.to(device="cpu", dtype=torch.int32)

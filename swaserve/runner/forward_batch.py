@@ -89,10 +89,11 @@ class ForwardBatch:
         assert input_ids is not None or mode is ForwardMode.DECODE, "extend steps need their input ids"
         dev = torch.device(device)
         T, bs = len(positions), len(req_pool_indices)
-        parts = [torch.tensor(positions, dtype=torch.int64), torch.tensor(req_pool_indices, dtype=torch.int64),
-                 torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc.to(dtype=torch.int64)]
+        # One list -> tensor conversion for the host lists (per step, at hundreds of requests).
+        host = torch.tensor(positions + req_pool_indices + seq_lens + (input_ids or []), dtype=torch.int64)
+        parts = [host[: T + 2 * bs], out_cache_loc.to(dtype=torch.int64)]
         if input_ids is not None:
-            parts.append(torch.tensor(input_ids, dtype=torch.int64))
+            parts.append(host[T + 2 * bs :])
         packed = to_device(torch.cat(parts), dev)
         pos, rows, lens, locs, ids = packed.split([T, bs, bs, T, T if input_ids is not None else 0])
         return cls(

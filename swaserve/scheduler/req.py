@@ -71,7 +71,8 @@ class Req:
         """Whether another decode step is useful: False once the tokens sampled so far (in flight
         included) already reach max_tokens or the context limit, so the request ends by length as
         soon as they are processed."""
-        return self.num_sampled < self.params.max_tokens and len(self.ids) + self.inflight < max_context
+        n = len(self.ids) + self.inflight  # per request per step: no property calls
+        return n - self.prompt_len < self.params.max_tokens and n < max_context
 
     @property
     def finished(self) -> bool:
@@ -97,5 +98,6 @@ class Req:
             if self.detok.stopped:
                 self.finish_reason = "stop"
                 return
-        if self.num_output >= p.max_tokens or len(self.ids) >= max_context:
+        n = len(self.ids)
+        if n - self.prompt_len >= p.max_tokens or n >= max_context:
             self.finish_reason = "length"
