@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.kernels.decode_attention import _block_d, _dot, _finish, _online_step, _scores, dot_flags
+from swaserve.kernels.common import _block_d, _dot, _finish, _online_step, _scores, dot_flags
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.activation import ACTS, gated_act
-from swaserve.kernels.decode_attention import dot_flags
+from swaserve.kernels.common import dot_flags
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 MAX_M = 64  # the row tile; larger batches use the library GEMM

@@ -1,0 +1,71 @@
+"""Pieces the attention and GEMM kernels share: interpreter detection, dot precision flags, head
+dim padding, and the jit helpers for soft-capped scores, the online-softmax step and the final
+normalisation (with optional per-head sinks)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST, PRECISION) constexprs for `_dot`.
+
+    fp32 runs as true fp32 ("ieee"), not tf32, so fp32 stays a usable accuracy reference on GPU.
+    The CPU interpreter (triton 3.9) multiplies bf16/fp16 operands as their raw uint16 bits, so
+    under TRITON_INTERPRET operands are upcast to fp32 first (values are identical after rounding).
+    """
+    return interpret_mode() and dtype != torch.float32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(d: int) -> int:
+    """Head dims pad to a power of 2 (masked); at least 16, the smallest tl.dot operand dim."""
+    return max(16, triton.next_power_of_2(d))
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _scores(qk, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw q.k -> logits in log2 units (so the softmax can use exp2)."""
+    if HAS_SOFTCAP:
+        x = qk * qk_scale / softcap
+        # tanh via exp: saturates cleanly to +-1 for large |x| and needs no libdevice (interpreter).
+        x = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        return x * (softcap * 1.4426950408889634)
+    return qk * (qk_scale * 1.4426950408889634)
+
+
+@triton.jit
+def _online_step(s, m, l):
+    """One online-softmax step on masked log2 logits s [R, N] (-inf = masked); returns
+    (p, alpha, m_new, l_new). Rows with every key masked so far keep m = -inf and p = 0, no NaN."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _finish(acc, m, l, sinks_ptr, heads, hmask, HAS_SINKS: tl.constexpr):
+    """acc / (l + exp(sink)) with the sink as a value-less extra logit; 0 where nothing is seen."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m, sink)
+        scale = tl.exp2(m - m_f)
+        l = l * scale + tl.exp2(sink - m_f)
+        acc = acc * scale[:, None]
+    return tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
