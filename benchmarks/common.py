@@ -66,6 +66,31 @@ def decode_step_bytes(loaded, bs: int, ctx: int, kv_dtype: torch.dtype) -> int:
     return param_bytes(loaded.model) + bs * kv
 
 
+def graph_us(fn, calls: int, replays: int = 3) -> float:
+    """Microseconds per call of fn(i), i in range(calls), timed over CUDA-graph replays (no launch
+    overhead, as in decode): warmed up (and compiled) once outside the capture, median of 5."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     if device.type != "cuda":

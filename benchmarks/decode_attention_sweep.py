@@ -11,8 +11,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us  # noqa: E402
 
 SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256)}  # heads, kv heads, head dim
 
@@ -41,26 +46,7 @@ def case(shape: str, bs: int, n: int, configs: list[tuple[int, int, int, int]], 
             decode_attention(q, k_buf, v_buf, indptr, lists[i], out, D**-0.5, num_kv_splits=splits,
                              block_n=block_n, num_warps=warps, num_stages=stages)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(0)  # compile and warm up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(REPS):
-                fn(i)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(5):
-            start.record()
-            for _ in range(4):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / (4 * REPS))
-        return sorted(times)[len(times) // 2]
+        return graph_us(fn, REPS, replays=4)
 
     heur = num_kv_splits_for(bs, H, HKV, n, num_sms)
     default_us = t(heur, None, None, None)  # what the backend launches today

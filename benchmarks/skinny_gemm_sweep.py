@@ -12,8 +12,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us  # noqa: E402
 
 # hidden, q heads, kv heads, head dim, intermediate
 MODELS = {"1b": (1152, 4, 1, 256, 6912), "4b": (2560, 8, 4, 256, 10240), "12b": (3840, 16, 8, 256, 15360)}
@@ -26,76 +31,58 @@ def projections(model: str) -> dict[str, tuple[int, int]]:
             "down": (hidden, inter)}
 
 
-def graph_us(fn, calls: int) -> float:
-    """Microseconds per call of fn(i), i in range(calls), timed over CUDA-graph replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(3):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (3 * calls))
-    return sorted(times)[len(times) // 2]
+def weight_copies(N: int, K: int, g: torch.Generator) -> list[torch.Tensor]:
+    """Enough bf16 [N, K] weights to cycle through STREAM_BYTES, so each call streams from HBM."""
+    return [torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+            for _ in range(max(2, STREAM_BYTES // (N * K * 2)))]
+
+
+def result_row(model: str, proj: str, N: int, K: int, M: int, cublas: float, results: list, default_key) -> dict:
+    """`results`: (us, block_n, block_k, stages, warps, splits) per config; the fastest is `best`."""
+    results.sort()
+    default = next((r for r in results if r[1:5] == default_key), results[0])
+    best, nbytes = results[0], N * K * 2
+    row = {"model": model, "proj": proj, "N": N, "K": K, "M": M, "cublas_us": round(cublas, 2),
+           "cublas_tbps": round(nbytes / cublas / 1e6, 2), "default_us": round(default[0], 2),
+           "best_us": round(best[0], 2), "best_tbps": round(nbytes / best[0] / 1e6, 2),
+           "best": dict(zip(("block_n", "block_k", "stages", "warps", "splits"), best[1:])),
+           "partial_mb": round(best[5] * M * N * 4 / 1e6, 2) if best[5] > 1 else 0.0}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def gated_case(model: str, N: int, K: int, batch_sizes: list[int], configs) -> list[dict]:
     from swaserve.kernels.activation import act_and_mul
     from swaserve.kernels.skinny_gemm import skinny_gated_gemm
 
-    nbytes = N * K * 2
-    copies = max(2, STREAM_BYTES // nbytes)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ws = [torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    ws = weight_copies(N, K, torch.Generator(device="cuda").manual_seed(0))
     rows = []
     for M in batch_sizes:
-        x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        cublas = graph_us(lambda i, x=x, out=out: act_and_mul(torch.mm(x, ws[i].T, out=out), "gelu_tanh"), copies)
+        cublas = graph_us(lambda i, x=x, out=out: act_and_mul(torch.mm(x, ws[i].T, out=out), "gelu_tanh"), len(ws))
         results = []
         for bn, bk, stages, warps in configs:
             try:
                 us = graph_us(lambda i, x=x, bn=bn, bk=bk, warps=warps, stages=stages: skinny_gated_gemm(
-                    x, ws[i], "gelu_tanh", block_n=bn, block_k=bk, num_warps=warps, num_stages=stages), copies)
+                    x, ws[i], "gelu_tanh", block_n=bn, block_k=bk, num_warps=warps, num_stages=stages), len(ws))
             except Exception as e:  # noqa: BLE001 -- a config over the shared-memory limit: report, go on
                 print(f"# {model} gated M={M} bn{bn} bk{bk} st{stages} w{warps}: {type(e).__name__}")
                 continue
             results.append((us, bn, bk, stages, warps, 1))
-        results.sort()
-        default = next((r for r in results if r[1:5] == (64, 128, 3, 4)), results[0])
-        best = results[0]
-        row = {"model": model, "proj": "gated", "N": N, "K": K, "M": M, "cublas_us": round(cublas, 2),
-               "cublas_tbps": round(nbytes / cublas / 1e6, 2), "default_us": round(default[0], 2),
-               "best_us": round(best[0], 2), "best_tbps": round(nbytes / best[0] / 1e6, 2),
-               "best": dict(zip(("block_n", "block_k", "stages", "warps", "splits"), best[1:])), "partial_mb": 0.0}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append(result_row(model, "gated", N, K, M, cublas, results, (64, 128, 3, 4)))
     return rows
 
 
 def case(model: str, proj: str, N: int, K: int, batch_sizes: list[int], configs, num_sms: int) -> list[dict]:
     from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits
 
-    nbytes = N * K * 2
-    copies = max(2, STREAM_BYTES // nbytes)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ws = [torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    ws = weight_copies(N, K, torch.Generator(device="cuda").manual_seed(0))
     rows = []
     for M in batch_sizes:
-        x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        cublas = graph_us(lambda i, x=x, out=out: torch.mm(x, ws[i].T, out=out), copies)
+        cublas = graph_us(lambda i, x=x, out=out: torch.mm(x, ws[i].T, out=out), len(ws))
         results = []
         for bn, bk, stages, warps, mult in configs:
             splits = max(1, int(skinny_gemm_splits(N, K, num_sms, bn, bk) * mult))
@@ -103,21 +90,12 @@ def case(model: str, proj: str, N: int, K: int, batch_sizes: list[int], configs,
                                dtype=torch.float32 if splits > 1 else torch.bfloat16)
             try:
                 us = graph_us(lambda i, x=x, s=splits, bn=bn, bk=bk, warps=warps, stages=stages, part=part: skinny_gemm(
-                    x, ws[i], s, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, out=part), copies)
+                    x, ws[i], s, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, out=part), len(ws))
             except Exception as e:  # noqa: BLE001 -- a config over the shared-memory limit: report, go on
                 print(f"# {model} {proj} M={M} bn{bn} bk{bk} st{stages} w{warps}: {type(e).__name__}")
                 continue
             results.append((us, bn, bk, stages, warps, splits))
-        results.sort()
-        default = next((r for r in results if r[1:5] == (64, 128, 4, 4)), results[0])
-        best = results[0]
-        row = {"model": model, "proj": proj, "N": N, "K": K, "M": M, "cublas_us": round(cublas, 2),
-               "cublas_tbps": round(nbytes / cublas / 1e6, 2), "default_us": round(default[0], 2),
-               "best_us": round(best[0], 2), "best_tbps": round(nbytes / best[0] / 1e6, 2),
-               "best": dict(zip(("block_n", "block_k", "stages", "warps", "splits"), best[1:])),
-               "partial_mb": round(best[5] * M * N * 4 / 1e6, 2) if best[5] > 1 else 0.0}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append(result_row(model, proj, N, K, M, cublas, results, (64, 128, 4, 4)))
     return rows
 
 
