@@ -89,13 +89,21 @@ class ForwardBatch:
         assert input_ids is not None or mode is ForwardMode.DECODE, "extend steps need their input ids"
         dev = torch.device(device)
         T, bs = len(positions), len(req_pool_indices)
+        # Every segment starts 16-byte aligned (an even number of int64s): Triton specialises a
+        # kernel on its pointers' alignment, so a misaligned slice would mean a new compile on
+        # the serving path (and no vectorised loads).
+        def pad(n: int) -> list[int]:
+            return [0] * (n % 2)
+
         # One list -> tensor conversion for the host lists (per step, at hundreds of requests).
-        host = torch.tensor(positions + req_pool_indices + seq_lens + (input_ids or []), dtype=torch.int64)
-        parts = [host[: T + 2 * bs], out_cache_loc.to(dtype=torch.int64)]
-        if input_ids is not None:
-            parts.append(host[T + 2 * bs :])
+        head = positions + pad(T) + req_pool_indices + pad(bs) + seq_lens + pad(bs)
+        host = torch.tensor(head + (input_ids + pad(T) if input_ids is not None else []), dtype=torch.int64)
+        locs = out_cache_loc.to(dtype=torch.int64)
+        parts = [host[: len(head)], locs, locs.new_zeros(T % 2), host[len(head) :]]
         packed = to_device(torch.cat(parts), dev)
-        pos, rows, lens, locs, ids = packed.split([T, bs, bs, T, T if input_ids is not None else 0])
+        Tp, bsp = T + T % 2, bs + bs % 2
+        pos, rows, lens, locs, ids = (t[:n] for t, n in zip(
+            packed.split([Tp, bsp, bsp, Tp, Tp if input_ids is not None else 0]), (T, bs, bs, T, T)))
         return cls(
             mode=mode,
             input_ids=ids if input_ids is not None else None,
@@ -106,5 +114,5 @@ class ForwardBatch:
             seq_lens_cpu=list(seq_lens),
             extend_prefix_lens_cpu=extend_prefix_lens,
             extend_seq_lens_cpu=extend_seq_lens,
-            decode_inputs=packed[: 4 * bs].view(4, bs) if mode is ForwardMode.DECODE else None,
+            decode_inputs=packed[: 4 * bsp].view(4, bsp)[:, :bs] if mode is ForwardMode.DECODE else None,
         )
