@@ -15,6 +15,32 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def jit_per_batch(*names: str):
+    """`triton.jit` for a kernel whose integer arguments `names` change from batch to batch (row
+    counts, strides over rows): no specialisation on their value (== 1) or divisibility by 16, so
+    one compile serves every batch instead of a new one on the serving path."""
+    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)
+
+
+def compiled_variants() -> dict[str, int]:
+    """Compiled variants of each swaserve Triton kernel in this process so far, by kernel name: a
+    count that grows while serving means a JIT compile on the request path."""
+    import importlib
+    import pkgutil
+
+    import swaserve.kernels as pkg
+
+    counts: dict[str, int] = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        for name, fn in vars(mod).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction) and fn.__module__ == mod.__name__:
+                n = sum(len(entry[0]) for entry in getattr(fn, "device_caches", {}).values())
+                if n:
+                    counts[name] = n
+    return counts
+
+
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     """(UPCAST, PRECISION) constexprs for `_dot`.
 

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.kernels.common import jit_per_batch
+
 
 @triton.jit
 def _span(kv_lens, first_q, offs, mask, window, HAS_WINDOW: tl.constexpr, HAS_FIRST_Q: tl.constexpr):
@@ -23,7 +25,7 @@ def _span(kv_lens, first_q, offs, mask, window, HAS_WINDOW: tl.constexpr, HAS_FI
     return start, kv_len - start
 
 
-@triton.jit
+@jit_per_batch("bs")
 def _build_kv_indices_kernel(
     req_to_token, stride_r2t, req_pool_indices, kv_lens, first_q, full_to_swa,
     kv_indptr, kv_indices, kv_start, bs, window,
@@ -72,7 +74,7 @@ def build_kv_indices(
     kv_start: torch.Tensor | None = None,  # [bs] int32/int64, device, written: first listed position
     num_programs_per_req: int = 1,
     block: int = 256,
-    block_bs: int = 1024,
+    block_bs: int = 128,  # fixed, not sized to bs: a per-batch constexpr would mean a compile per size
 ) -> None:
     """Write, per request b, the slots of positions `start_b .. kv_len_b - 1` of its table row.
 
@@ -105,7 +107,7 @@ def build_kv_indices(
         bs, window if window is not None else 0,
         HAS_WINDOW=window is not None, HAS_FIRST_Q=first_query_pos is not None,
         HAS_MAP=full_to_swa is not None, HAS_START=kv_start is not None,
-        BLOCK_BS=min(block_bs, triton.next_power_of_2(bs)), BLOCK=block,
+        BLOCK_BS=block_bs, BLOCK=block,
     )
 
 

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.kernels.common import jit_per_batch
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 
@@ -86,7 +87,7 @@ def _load_x(x_ptr, row, stride_x, stride_part, cols, mask, ty: tl.constexpr, NUM
     return acc.to(ty).to(tl.float32)
 
 
-@triton.jit
+@jit_per_batch("stride_part")
 def _add_rms_norm_kernel(x_ptr, res_ptr, pw_ptr, nw_ptr, h_ptr, y_ptr,
                          stride_x, stride_part, stride_res, stride_h, stride_y, n_cols, eps,
                          UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_POST: tl.constexpr,

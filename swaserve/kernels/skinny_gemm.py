@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.activation import ACTS, gated_act
-from swaserve.kernels.common import dot_flags
+from swaserve.kernels.common import dot_flags, jit_per_batch
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 MAX_M = 64  # the row tile; larger batches use the library GEMM
@@ -36,7 +36,7 @@ def use_skinny(x: torch.Tensor) -> bool:
             and 0 < x.shape[0] <= MAX_M)
 
 
-@triton.jit
+@jit_per_batch("M", "stride_os")
 def _skinny_gemm_kernel(
     x, w, out, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -65,7 +65,7 @@ def _skinny_gemm_kernel(
              acc.to(out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@jit_per_batch("M")
 def _skinny_gated_kernel(
     x, w, out, M, I, K, stride_xm, stride_wn, stride_om,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -62,7 +62,7 @@ def _signature(kernel, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
     aligned = [["tt.divisibility", 16]]
     for i, p in enumerate(kernel.params):
         v = named[p.name]
-        if p.is_constexpr or (type(v) is int and v == 1):
+        if p.is_constexpr or (type(v) is int and v == 1 and not p.do_not_specialize):
             sig[p.name], consts[p.name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[p.name] = _PTR[v.dtype]
@@ -72,7 +72,7 @@ def _signature(kernel, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
             sig[p.name] = "i1"
         elif isinstance(v, int):
             sig[p.name] = "i64" if abs(v) >= 2**31 else "i32"
-            if v % 16 == 0:
+            if v % 16 == 0 and not p.do_not_specialize_on_alignment:
                 attrs[(i,)] = aligned
         else:
             sig[p.name] = "fp32"
