@@ -93,5 +93,7 @@ def build_runtime(
     )
     if use_graphs:
         runner.enable_decode_graphs(sched.max_running_requests)
+    if device.type == "cuda":
+        runner.warmup()  # the prefill kernels' JIT compiles, before the first request
     scheduler = Scheduler(sched, ctx, table, allocator, evictor)
     return Runtime(plan, kv, table, allocator, evictor, runner, scheduler)

@@ -106,6 +106,24 @@ class ModelRunner:
             self.graph_runner = CpuGraphRunner(self, max_bs)
 
     @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the step's kernels now instead of on the first requests (Triton JITs each kernel on
+        first use, ~0.3-1 s apiece): one prefill forward of two dummy requests, then, unless decode
+        is captured in graphs (capture compiles it), one decode forward. Dummy requests use table row
+        0 and KV slot 0, as padded graph rows do, so no request's KV is touched."""
+        from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+
+        ext = [3, 2]  # two requests (no batch-size-1 specialisation), an odd token count
+        T = sum(ext)
+        positions = [p for n in ext for p in range(n)]
+        self.forward(ForwardBatch.build(ForwardMode.EXTEND, [0] * T, positions, [0] * len(ext), ext,
+                                        torch.zeros(T, dtype=torch.int64), self.device,
+                                        extend_prefix_lens=[0] * len(ext), extend_seq_lens=ext))
+        if self.graph_runner is None:
+            self.forward(ForwardBatch.build(ForwardMode.DECODE, None, ext, [0] * len(ext), [n + 1 for n in ext],
+                                            torch.zeros(len(ext), dtype=torch.int64), self.device))
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[batch_size, vocab]` float32 of each request's last new token. A decode batch
         reads its inputs from `last_tokens`; one that brings its own (tests, teacher forcing)
