@@ -118,6 +118,25 @@ def hardware() -> str:
     return f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}"
 
 
+def fast_paths() -> str:
+    """The opt-in kernel paths as this process will actually run them (PDL also needs sm_90+ and a
+    Triton with the launch option, so the env var alone does not say it is on)."""
+    import os
+
+    from swaserve.kernels.pdl import pdl_supported
+
+    def env(name: str) -> str:
+        return "on" if os.environ.get(name) == "1" else "off"
+
+    return (f"skinny GEMMs {env('SWASERVE_SKINNY_GEMM')}, PDL {'on' if pdl_supported() else 'off'}"
+            f" (env {env('SWASERVE_PDL')}), fused split combine {env('SWASERVE_FUSED_SPLIT_COMBINE')}")
+
+
+def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Kernels compiled between two `swaserve.kernels.common.compiled_variants()` snapshots."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, decode_step_bytes, hardware, now, random_model  # noqa: E402
+from common import copy_bandwidth, decode_step_bytes, fast_paths, hardware, now, random_model  # noqa: E402
 
 
 def bench_point(engine, loaded, bs: int, ctx: int, steps: int, warm: int, bw: float, seed: int) -> dict:
@@ -77,6 +77,7 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     bw = copy_bandwidth(dev)
     print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; bf16 weights and KV", flush=True)
+    print(f"# {fast_paths()}", flush=True)
     plan = {s: ([int(b) for b in a.batch_sizes.split(",")], [int(c) for c in a.contexts.split(",")]) for s in a.shapes.split(",")}
     if a.quick:
         plan = {"1b": ([1, 64], [512, 2048]), "4b": ([1], [1024])}

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, hardware, now, param_bytes, random_model  # noqa: E402
+from common import copy_bandwidth, hardware, new_compiles, now, param_bytes, random_model  # noqa: E402
 
 
 def main() -> None:
@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="repeat the workload in one process (later runs: every kernel already compiled)")
     a = ap.parse_args()
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
@@ -47,8 +49,23 @@ def main() -> None:
     engine.add_request("warm", list(range(10, 300)), SamplingParams(temperature=0, max_tokens=4))
     while engine.has_unfinished():
         engine.step()
+    for run in range(a.runs):
+        r = one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W)
+        print(json.dumps(dict(run=run, **r)))
+        print(f"\noffline {a.shape}: {a.num_requests} reqs, in {a.min_input}-{a.max_input}, out {a.output_len}: "
+              f"{r['out_tok_per_s']} out tok/s, {r['roofline_frac'] * 100:.1f}% of roofline over the run, "
+              f"{r['seconds']:.1f} s (prefill steps {r['prefill_s']} s, decode steps {r['decode_s']} s); "
+              f"Triton compiles during the run: {r['compiles_during_run'] or 'none'}", flush=True)
+
+
+def one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W) -> dict:
+    """Submit every request, step until all finish; the run's numbers."""
+    from swaserve.kernels.common import compiled_variants
+
+    retractions_before = engine.stats.retractions_total
     for i, n in enumerate(lens):
-        engine.add_request(str(i), [rng.randint(10, 200000) for _ in range(n)], params)
+        engine.add_request(f"{rng.random()}-{i}", [rng.randint(10, 200000) for _ in range(n)], params)
+    compiled_before = compiled_variants()
     steps = decode_steps = 0
     by_mode = {"extend": 0.0, "decode": 0.0}  # wall time between step() returns, by the step it finished
     launched_before = None
@@ -77,11 +94,9 @@ def main() -> None:
              out_tok_per_s=round(total_out / dt, 1), roofline_frac=round(roof_s / dt, 3), steps=steps,
              decode_steps=decode_steps, prefill_s=round(by_mode["extend"], 2), decode_s=round(by_mode["decode"], 2),
              decode_roofline_frac=round(roof_s / by_mode["decode"], 3) if by_mode["decode"] else None,
-             retractions=engine.stats.retractions_total, hardware=hardware())
-    print(json.dumps(r))
-    print(f"\noffline {a.shape}: {a.num_requests} reqs, in {a.min_input}-{a.max_input}, out {a.output_len}: "
-          f"{r['out_tok_per_s']} out tok/s, {r['roofline_frac'] * 100:.1f}% of roofline over the run, {dt:.1f} s "
-          f"(prefill steps {r['prefill_s']} s, decode steps {r['decode_s']} s)")
+             retractions=engine.stats.retractions_total - retractions_before,
+             compiles_during_run=new_compiles(compiled_before, compiled_variants()), hardware=hardware())
+    return r
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import random_model  # noqa: E402
+from common import fast_paths, random_model  # noqa: E402
 
 
 def per_step_ms(engine, n: int) -> float:
@@ -85,6 +85,7 @@ def main() -> None:
     replay_ms = (time.perf_counter() - t) / n * 1e3
     print(f"{shape} bs={bs} ctx={ctx}: step {overlap_ms:.3f} ms with overlap, {sync_ms:.3f} ms waiting; "
           f"pure graph replay {replay_ms:.3f} ms", flush=True)
+    print(f"  {fast_paths()}", flush=True)
     print("  waiting step: " + ", ".join(f"{k} {v:.3f} ms" for k, v in parts.items()), flush=True)
 
     from torch.profiler import ProfilerActivity, profile
@@ -95,6 +96,9 @@ def main() -> None:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
     print(table, flush=True)
+    kernel_us = sum(getattr(ev, "self_device_time_total", 0) for ev in prof.key_averages()) / 5
+    print(f"kernel time per replay {kernel_us / 1e3:.3f} ms vs replay {replay_ms:.3f} ms: "
+          f"{(replay_ms - kernel_us / 1e3) * 1e3:.0f} us between kernels", flush=True)
 
 
 if __name__ == "__main__":
