@@ -95,6 +95,8 @@ def main() -> None:
         for _ in range(5):
             gr.graphs[graph_bs].replay()
         torch.cuda.synchronize()
+    prof_graph_events = prof.key_averages()
+    counts = {ev.key: ev.count / 5 for ev in prof_graph_events}
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
     print(table, flush=True)
     kernel_us = sum(getattr(ev, "self_device_time_total", 0) for ev in prof.key_averages()) / 5
@@ -102,6 +104,27 @@ def main() -> None:
           f"{(replay_ms - kernel_us / 1e3) * 1e3:.0f} us between kernels"
           + (" (PDL on: kernels start before their predecessor ends and wait on the device, so their"
              " times overlap)" if pdl_supported() else ""), flush=True)
+
+    # The whole step (overlap on, as served): what runs on the GPU besides the graph replay
+    # (input copies, sampling, token bookkeeping), and how long the GPU idles per step.
+    e.overlap = True
+    for _ in range(3):
+        e.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            e.step()
+        torch.cuda.synchronize()
+    busy_ms = sum(getattr(ev, "self_device_time_total", 0) for ev in prof.key_averages()) / 5 / 1e3
+    host_ms = sync_ms - parts["wait"]  # a waiting step's host work: what overlap must hide
+    print(f"whole step with overlap {overlap_ms:.3f} ms: GPU busy {busy_ms:.3f} ms ({busy_ms - kernel_us / 1e3:.3f} ms "
+          f"outside the graph), so idle {overlap_ms - busy_ms:.3f} ms; host work per step {host_ms:.3f} ms "
+          f"({'host' if host_ms > busy_ms else 'GPU'}-bound)", flush=True)
+    graph_names = {ev.key for ev in prof_graph_events}
+    # kernels not in the graph, or run more often per step than per replay (their whole time shown)
+    outside = [ev for ev in prof.key_averages() if ev.key not in graph_names or ev.count / 5 > counts[ev.key]]
+    outside.sort(key=lambda ev: -getattr(ev, "self_device_time_total", 0))
+    for ev in [ev for ev in outside if getattr(ev, "self_device_time_total", 0) > 0][:12]:
+        print(f"  {getattr(ev, 'self_device_time_total', 0) / 5:8.1f} us/step  {ev.count / 5:5.1f}x  {ev.key[:90]}")
 
 
 if __name__ == "__main__":
