@@ -128,7 +128,8 @@ def fast_paths() -> str:
     def env(name: str) -> str:
         return "on" if os.environ.get(name) == "1" else "off"
 
-    return (f"skinny GEMMs {env('SWASERVE_SKINNY_GEMM')}, PDL {'on' if pdl_supported() else 'off'}"
+    blas = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1] if torch.cuda.is_available() else "-"
+    return (f"BLAS {blas}, skinny GEMMs {env('SWASERVE_SKINNY_GEMM')}, PDL {'on' if pdl_supported() else 'off'}"
             f" (env {env('SWASERVE_PDL')}), fused split combine {env('SWASERVE_FUSED_SPLIT_COMBINE')}")
 
 

@@ -64,7 +64,10 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true", help="A/B: PDL launches for the step's Triton kernels (SWASERVE_PDL=1)")
     ap.add_argument("--fused-combine", action="store_true",
                     help="A/B: decode splits combined in stage 1, no stage-2 launch (SWASERVE_FUSED_SPLIT_COMBINE=1)")
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"], help="A/B: torch's preferred BLAS library for the GEMMs")
     a = ap.parse_args()
+    if a.blas:
+        torch.backends.cuda.preferred_blas_library(a.blas)
     if a.skinny_gemm:
         os.environ["SWASERVE_SKINNY_GEMM"] = "1"
     if a.pdl:

@@ -45,7 +45,7 @@ def _skinny_gemm_kernel(
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
     nmask = rn < N
@@ -121,7 +121,7 @@ def skinny_gemm_splits(N: int, K: int, num_sms: int, block_n: int = 64, block_k:
 
 
 def skinny_gemm(
-    x: torch.Tensor,  # [M, K], M <= MAX_M, unit stride in K
+    x: torch.Tensor,  # [M, K], unit stride in K (rows in blocks of block_m)
     weight: torch.Tensor,  # [N, K], unit stride in K (a Linear's weight)
     splits: int,
     *,
@@ -139,8 +139,6 @@ def skinny_gemm(
     M, K = x.shape
     N = weight.shape[0]
     block_k, num_stages = _tile_k(x.dtype, block_k or 128, num_stages or 4)
-    if M > block_m:
-        raise ValueError(f"skinny_gemm takes at most {block_m} rows, got {M}")
     assert weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
     k_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     if out is None:
@@ -151,7 +149,7 @@ def skinny_gemm(
     o3 = out.unsqueeze(0) if splits == 1 else out
     assert o3.shape == (splits, M, N) and o3.stride(2) == 1, o3.shape
     upcast, prec = dot_flags(x.dtype)
-    _skinny_gemm_kernel[(triton.cdiv(N, block_n), splits)](
+    _skinny_gemm_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
         x, weight, o3, M, N, K, x.stride(0), weight.stride(0), o3.stride(0), o3.stride(1),
         K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=upcast, PREC=prec, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(x),

@@ -20,7 +20,7 @@ def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k,splits", [(1, 80, 200, 1), (5, 64, 256, 2), (16, 130, 384, 3), (64, 96, 300, 4)])
+@pytest.mark.parametrize("m,n,k,splits", [(1, 80, 200, 1), (5, 64, 256, 2), (16, 130, 384, 3), (64, 96, 300, 4), (150, 40, 128, 2)])
 def test_skinny_gemm_matches_reference(device, seed, dtype, m, n, k, splits):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(device, dtype)
@@ -43,16 +43,16 @@ def test_rows_do_not_depend_on_batch(device, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(24, 192, generator=g).to(device)
     w = torch.randn(96, 192, generator=g).to(device)
-    full = skinny_gemm(x, w, 3, block_n=32, block_k=64)
-    for rows in (slice(0, 1), slice(3, 10), slice(0, 24)):
-        got = skinny_gemm(x[rows], w, 3, block_n=32, block_k=64)
+    full = skinny_gemm(x, w, 3, block_n=32, block_k=64, block_m=16)  # rows in two blocks of 16
+    for rows in (slice(0, 1), slice(3, 10), slice(0, 24), slice(17, 24)):
+        got = skinny_gemm(x[rows], w, 3, block_n=32, block_k=64, block_m=16)
         if INTERPRET:
             torch.testing.assert_close(got, full[:, rows], rtol=1e-5, atol=1e-4)
         else:
             assert torch.equal(got, full[:, rows])
 
 
-def test_strided_rows_out_buffer_and_limits(device, seed):
+def test_strided_rows_and_out_buffer(device, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4, 160, generator=g).to(device)[:, :128]  # row stride 160
     w = torch.randn(48, 128, generator=g).to(device)
@@ -60,8 +60,6 @@ def test_strided_rows_out_buffer_and_limits(device, seed):
     assert skinny_gemm(x, w, 2, block_n=32, block_k=64, out=out) is out
     torch.testing.assert_close(out.sum(0), _ref(x, w), rtol=1e-4, atol=1e-3)
     assert skinny_gemm(x[:0], w, 2, block_n=32, block_k=64).shape == (2, 0, 48)
-    with pytest.raises(ValueError, match="at most"):
-        skinny_gemm(torch.zeros(65, 128, device=device), w, 1)
 
 
 def test_split_count_depends_on_the_weight_only():
