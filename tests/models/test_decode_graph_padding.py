@@ -12,17 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from families import make_hf_model
+from scheduled import Params
 
 from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.runtime import build_runtime
 from swaserve.runner.cpu_graph import CpuGraphRunner
 from swaserve.scheduler.req import Req
-
-
-class Params:  # the SamplingParams fields the scheduler reads
-    def __init__(self, max_tokens: int):
-        self.max_tokens, self.ignore_eos, self.stop_token_ids = max_tokens, True, []
 
 
 def make_runtime(path, graphs: bool, compile_backend: str):

@@ -10,25 +10,10 @@ from families import make_hf_model
 
 pytest.importorskip("triton")
 
-from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig  # noqa: E402
-from swaserve.loader.hf_dir import load_model_from_dir  # noqa: E402
-from swaserve.runtime import build_runtime  # noqa: E402
+from scheduled import Params  # noqa: E402
+from scheduled import small_hybrid_runtime as runtime  # noqa: E402
+
 from swaserve.scheduler.req import Req  # noqa: E402
-
-
-class Params:  # the SamplingParams fields the scheduler reads
-    def __init__(self, max_tokens: int):
-        self.max_tokens, self.ignore_eos, self.stop_token_ids = max_tokens, True, []
-
-
-def runtime(path, backend: str):
-    config, model = load_model_from_dir(path, "cpu", torch.float32)
-    # A small SWA pool (~1/4 of the full one) recycles slots, so full and SWA indices diverge and an
-    # untranslated list would read the wrong rows.
-    cache = CacheConfig(kv_cache_bytes=60_000, swa_full_tokens_ratio=0.25, swa_evict_margin=0, swa_evict_chunk=1)
-    sched = SchedulerConfig(max_running_requests=4, max_prefill_tokens=7)  # chunks cross W = 8
-    return build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched,
-                         RunnerConfig(attention_backend=backend))
 
 
 @pytest.mark.parametrize("combine", ["stage2", "fused"])

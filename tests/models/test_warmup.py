@@ -10,22 +10,10 @@ from families import make_hf_model
 
 pytest.importorskip("triton")
 
-from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig  # noqa: E402
-from swaserve.loader.hf_dir import load_model_from_dir  # noqa: E402
-from swaserve.runtime import build_runtime  # noqa: E402
+from scheduled import Params  # noqa: E402
+from scheduled import small_hybrid_runtime  # noqa: E402
+
 from swaserve.scheduler.req import Req  # noqa: E402
-
-
-class Params:  # the SamplingParams fields the scheduler reads
-    def __init__(self, max_tokens: int):
-        self.max_tokens, self.ignore_eos, self.stop_token_ids = max_tokens, True, []
-
-
-def _runtime(path, backend: str):
-    config, model = load_model_from_dir(path, "cpu", torch.float32)
-    cache = CacheConfig(kv_cache_bytes=60_000, swa_full_tokens_ratio=0.25, swa_evict_margin=0, swa_evict_chunk=1)
-    return build_runtime(config, model, torch.device("cpu"), torch.float32, cache,
-                         SchedulerConfig(max_running_requests=4, max_prefill_tokens=7), RunnerConfig(attention_backend=backend))
 
 
 def _state(rt) -> list[torch.Tensor]:
@@ -48,7 +36,7 @@ def _step(rt, tokens_from=None) -> tuple[torch.Tensor, list[int]]:
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
 def test_warmup_mid_run_changes_no_request_state(tmp_path, backend):
     make_hf_model("gemma3", tmp_path, seed=3)
-    warmed, plain = _runtime(tmp_path, backend), _runtime(tmp_path, backend)
+    warmed, plain = small_hybrid_runtime(tmp_path, backend), small_hybrid_runtime(tmp_path, backend)
     assert warmed.kv.swa is not None, "hybrid pools: both index spaces exercised"
     prompts = [list(range(3, 23)), list(range(40, 45))]
     for rt in (warmed, plain):

@@ -1,0 +1,25 @@
+"""Shared pieces of the model tests that drive a real Runtime through its scheduler."""
+
+from __future__ import annotations
+
+import torch
+
+from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
+from swaserve.loader.hf_dir import load_model_from_dir
+from swaserve.runtime import build_runtime
+
+
+class Params:  # the SamplingParams fields the scheduler reads
+    def __init__(self, max_tokens: int):
+        self.max_tokens, self.ignore_eos, self.stop_token_ids = max_tokens, True, []
+
+
+def small_hybrid_runtime(path, backend: str):
+    """A CPU fp32 runtime of the model at `path` with a small SWA pool (~1/4 of the full one) that
+    recycles slots, so full and SWA indices diverge (an untranslated list would read the wrong
+    rows), eviction at once (margin 0, chunk 1), and prefill chunks of 7 tokens."""
+    config, model = load_model_from_dir(path, "cpu", torch.float32)
+    cache = CacheConfig(kv_cache_bytes=60_000, swa_full_tokens_ratio=0.25, swa_evict_margin=0, swa_evict_chunk=1)
+    sched = SchedulerConfig(max_running_requests=4, max_prefill_tokens=7)  # chunks cross W = 8
+    return build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched,
+                         RunnerConfig(attention_backend=backend))
