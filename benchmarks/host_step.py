@@ -53,8 +53,10 @@ def main() -> None:
         engine.add_request(str(i), [rng.randint(10, 500) for _ in range(rng.randint(100, 1024))], params)
     while engine.scheduler.waiting:
         engine.step()
-    logits = torch.zeros(a.requests, 512)
-    engine.runner.forward = lambda fb: logits[: fb.batch_size]  # the stub: host work only
+    hidden = torch.zeros(a.requests, 8)
+    tokens = torch.zeros(a.requests, dtype=torch.int64)
+    engine.runner.forward_hidden = lambda fb: hidden[: fb.batch_size]  # the stubs: host work only
+    engine.runner.greedy_tokens = lambda h: tokens[: h.shape[0]]
     for _ in range(5):
         engine.step(finished_only=a.finished_only)
     times = []

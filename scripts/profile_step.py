@@ -106,7 +106,7 @@ def main() -> None:
              " times overlap)" if pdl_supported() else ""), flush=True)
 
     # The whole step (overlap on, as served): what runs on the GPU besides the graph replay
-    # (input copies, sampling, token bookkeeping), and how long the GPU idles per step.
+    # (input copies, the LM head and sampling, token bookkeeping), and how long the GPU idles per step.
     e.overlap = True
     for _ in range(3):
         e.step()

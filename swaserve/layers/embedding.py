@@ -35,7 +35,7 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """hidden -> float32 logits, with an optional final soft-cap.
+    """hidden -> float32 logits, with an optional final soft-cap, or straight to greedy tokens.
 
     Owns a weight only when untied; a tied head reads the embedding's weight, passed at call time,
     so no parameter is shared between modules (meta-device init and `to_empty` stay simple).
@@ -65,3 +65,15 @@ class LMHead(nn.Module):
         if out is None:
             return soft_cap(logits, self.final_softcap)
         return logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)  # in place, same ops
+
+    def greedy(self, hidden: torch.Tensor, embedding: VocabEmbedding) -> torch.Tensor:
+        """`[n]` int64: each row's argmax of the (soft-capped) logits, lowest index on ties. On CUDA
+        a 16-bit model takes it without writing the logits (`kernels.lm_head_argmax`); elsewhere
+        it is the argmax of `forward`."""
+        weight = embedding.weight if self.tied else self.weight
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+            from swaserve.kernels.lm_head_argmax import lm_head_argmax
+
+            return lm_head_argmax(hidden if hidden.stride(1) == 1 else hidden.contiguous(), weight, self.final_softcap)
+        return self.forward(hidden, embedding).argmax(dim=-1)
+

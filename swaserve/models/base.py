@@ -87,9 +87,9 @@ class CausalLM(nn.Module):
     """A decoder-only LM built from a transformers config; the engine's model interface.
 
     `forward(batch)` returns the final hidden states `[num_tokens, hidden]`, `compute_logits` float32
-    logits, `load_weights` consumes (HF name, tensor) pairs and raises ValueError on unknown or
-    missing names. Which layers slide, and their window, come from `ModelConfig.from_hf`, so the
-    model and the KV pools agree on layer ids by construction.
+    logits, `greedy_tokens` their argmax, `load_weights` consumes (HF name, tensor) pairs and raises
+    ValueError on unknown or missing names. Which layers slide, and their window, come from
+    `ModelConfig.from_hf`, so the model and the KV pools agree on layer ids by construction.
     """
 
     sandwich_norms = False  # Gemma: extra norms after attention and MLP
@@ -167,6 +167,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`[n, hidden]` -> `[n, vocab]` float32 logits (into `out` when given)."""
         return self.lm_head(hidden, self.model.embed_tokens, out)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` -> `[n]` int64: `compute_logits(hidden).argmax(-1)`, without the logits on a GPU."""
+        return self.lm_head.greedy(hidden, self.model.embed_tokens)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -25,7 +25,7 @@ class CpuGraphRunner(DecodeGraphRunner):
             self._replay(bs, [1] * bs)
 
     def _model_step(self, fb: Any) -> torch.Tensor:
-        return self.model.compute_logits(self.model(fb))
+        return self.model(fb)
 
     @torch.inference_mode()
     def _replay(self, bs: int, seq_lens_cpu: list[int]) -> torch.Tensor:

@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 
 
 class CudaGraphRunner(DecodeGraphRunner):
-    """Captures metadata building (device index builders), the model and the logits for each batch
-    size, largest first, into one shared memory pool after two warm-ups.
+    """Captures metadata building (device index builders) and the model up to the final hidden states
+    for each batch size, largest first, into one shared memory pool after two warm-ups. The LM head
+    runs after the replay, on the live rows only, as logits or straight to greedy tokens.
 
     What a graph reads is recomputed from the static buffers on every replay: input ids are
     gathered in-graph from the runner's last-token table, the index lists are rebuilt in-graph from
@@ -31,17 +32,13 @@ class CudaGraphRunner(DecodeGraphRunner):
             raise ValueError(f"{type(self.backend).__name__} cannot be captured in a CUDA graph; use triton")
         self.backend.init_graph_state(self.sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # One logits buffer for every size: a graph writes rows [0, bs); per-size outputs would
-        # keep sum(sizes) x vocab float32 alive (2.4 GB for Gemma at max_bs 256).
-        self.logits = torch.empty(self.sizes[-1], runner.model_config.vocab_size, dtype=torch.float32,
-                                  device=runner.device)  # [max_bs, vocab] float32, device
+        self.outputs: dict[int, torch.Tensor] = {}  # bs -> [bs, hidden], the graph's output (its pool)
         self._capture()
 
     def _run_once(self, bs: int) -> torch.Tensor:
         fb = self._static_batch(bs, [1] * bs)
         self.backend.init_forward_metadata_graph(fb)
-        hidden = self.model(fb)  # [bs, hidden]: one token per request
-        return self.model.compute_logits(hidden, out=self.logits[:bs])
+        return self.model(fb)  # [bs, hidden]: one token per request
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -55,7 +52,7 @@ class CudaGraphRunner(DecodeGraphRunner):
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._run_once(bs)
+                    self.outputs[bs] = self._run_once(bs)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.runner.device)
@@ -63,4 +60,4 @@ class CudaGraphRunner(DecodeGraphRunner):
 
     def _replay(self, bs: int, seq_lens_cpu: list[int]) -> torch.Tensor:
         self.graphs[bs].replay()
-        return self.logits[:bs]
+        return self.outputs[bs]

@@ -35,7 +35,7 @@ class DecodeGraphRunner(ABC):
         return batch.is_decode and batch.batch_size <= self.sizes[-1]
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[raw_bs, vocab]` float32; a view valid until the next replay."""
+        """Final hidden states `[raw_bs, hidden]`; a view valid until the next replay."""
         raw = batch.batch_size
         bs = padded_batch_size(raw, self.sizes)
         assert bs is not None, "can_run() must be checked first"
@@ -51,4 +51,4 @@ class DecodeGraphRunner(ABC):
 
     @abstractmethod
     def _replay(self, bs: int, seq_lens_cpu: list[int]) -> torch.Tensor:
-        """Run the captured program for bs rows over the static buffers; `[bs, vocab]` logits."""
+        """Run the captured program for bs rows over the static buffers; `[bs, hidden]` states."""

@@ -53,7 +53,7 @@ class StepLauncher:
 
     def launch(self, batch: ScheduleBatch) -> LaunchedStep:
         fb = batch.to_forward_batch(self.device)
-        logits = self.runner.forward(fb)  # [bs, vocab] float32
+        hidden = self.runner.forward_hidden(fb)  # [bs, hidden]
         idx = batch.sample_indices()
         if not idx:
             return LaunchedStep(batch, [], None, None, None)
@@ -61,16 +61,17 @@ class StepLauncher:
         rows = fb.req_pool_indices
         if len(idx) != len(batch.reqs):
             sel = to_device(torch.tensor(idx), self.device)
-            logits, rows = logits[sel], rows[sel]
+            hidden, rows = hidden[sel], rows[sel]
         params = [r.params for r in reqs]
         distinct = distinct_params(params)
-        if is_plain_greedy(distinct):  # the common case, kept free of per-row host work
-            sb = SamplingBatch.plain_greedy(len(reqs), self.vocab_size)
+        if is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
+            out = SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None)
+            asked = None
         else:
             sb = self._sampling_batch(reqs, params, distinct, rows)
-        out = self.sampler(logits, sb)
+            out = self.sampler(self.runner.logits(hidden), sb)
+            asked = [p.logprobs for p in params] if sb.max_num_logprobs is not None else None
         self.runner.record_sampled(rows, out.next_token_ids)
-        asked = [p.logprobs for p in params] if sb.max_num_logprobs is not None else None
         if self.device.type != "cuda":
             return LaunchedStep(batch, reqs, asked, out, None)
         host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None for t in out))

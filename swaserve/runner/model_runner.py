@@ -1,5 +1,6 @@
-"""ModelRunner: one eager model step (attention metadata, model, last-token logits), and
-`build_model`, which instantiates a registry model without initialising its weights.
+"""ModelRunner: one model step (attention metadata, model, last-token hidden states; logits or greedy
+tokens from those), and `build_model`, which instantiates a registry model without initialising its
+weights.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.dev
 
 
 class ModelRunner:
-    """Runs the model eagerly for one `ForwardBatch` and returns each request's next-token logits.
+    """Runs the model for one `ForwardBatch` (eagerly, or a captured decode graph) and turns each
+    request's last hidden state into next-token logits or greedy tokens.
 
     Owns the attention backend (chosen by name) and wires it into every batch; the KV pools, the
     request table and `full_to_swa` belong to the memory layer and are only read/written through it.
@@ -108,26 +110,35 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Compile the step's kernels now instead of on the first requests (Triton JITs each kernel on
-        first use, ~0.3-1 s apiece): one prefill forward of two dummy requests, then, unless decode
-        is captured in graphs (capture compiles it), one decode forward. Dummy requests use table row
-        0 and KV slot 0, as padded graph rows do, so no request's KV is touched."""
+        first use, ~0.3-1 s apiece): one prefill forward of two dummy requests, the LM head both
+        ways (logits, greedy), then, unless decode is captured in graphs (capture compiles it), one
+        decode forward. Dummy requests use table row 0 and KV slot 0, as padded graph rows do, so no
+        request's KV is touched."""
         from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 
         ext = [3, 2]  # two requests (no batch-size-1 specialisation), an odd token count
         T = sum(ext)
         positions = [p for n in ext for p in range(n)]
-        self.forward(ForwardBatch.build(ForwardMode.EXTEND, [0] * T, positions, [0] * len(ext), ext,
-                                        torch.zeros(T, dtype=torch.int64), self.device,
-                                        extend_prefix_lens=[0] * len(ext), extend_seq_lens=ext))
+        prefill = ForwardBatch.build(ForwardMode.EXTEND, [0] * T, positions, [0] * len(ext), ext,
+                                     torch.zeros(T, dtype=torch.int64), self.device,
+                                     extend_prefix_lens=[0] * len(ext), extend_seq_lens=ext)
+        hidden = self.forward_hidden(prefill)
+        self.logits(hidden)
+        if hidden.is_cuda:
+            from swaserve.kernels.lm_head_argmax import SMALL_M
+
+            for n in (1, SMALL_M + 1):  # the greedy head's two launch settings
+                self.greedy_tokens(hidden.new_zeros(n, hidden.shape[1]))
         if self.graph_runner is None:
             self.forward(ForwardBatch.build(ForwardMode.DECODE, None, ext, [0] * len(ext), [n + 1 for n in ext],
                                             torch.zeros(len(ext), dtype=torch.int64), self.device))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[batch_size, vocab]` float32 of each request's last new token. A decode batch
-        reads its inputs from `last_tokens`; one that brings its own (tests, teacher forcing)
-        stores them there first, so the eager and graph paths see the same inputs."""
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states `[batch_size, hidden]` of each request's last new token (on the graph
+        path a view valid until the next replay). A decode batch reads its inputs from
+        `last_tokens`; one that brings its own (tests, teacher forcing) stores them there first, so
+        the eager and graph paths see the same inputs."""
         if batch.is_decode and batch.input_ids is not None:
             self.last_tokens.index_copy_(0, batch.req_pool_indices, batch.input_ids)
             self.last_tokens[:1].zero_()  # a padding row in the batch must not leave a token in row 0
@@ -138,7 +149,22 @@ class ModelRunner:
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[batch.last_token_indices()])
+        return hidden[batch.last_token_indices()]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` -> `[n, vocab]` float32 logits."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` -> `[n]` int64: the argmax of `logits(hidden)`, without writing the logits on
+        a GPU (the LM head's largest output: 268 MB of float32 at 256 rows of Gemma)."""
+        return self.model.greedy_tokens(hidden)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[batch_size, vocab]` float32 of each request's last new token."""
+        return self.logits(self.forward_hidden(batch))
 
     @torch.inference_mode()
     def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
