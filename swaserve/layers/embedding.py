@@ -77,3 +77,16 @@ class LMHead(nn.Module):
             return lm_head_argmax(hidden if hidden.stride(1) == 1 else hidden.contiguous(), weight, self.final_softcap)
         return self.forward(hidden, embedding).argmax(dim=-1)
 
+    def sample(self, hidden: torch.Tensor, embedding: VocabEmbedding, inv_temperature: torch.Tensor,
+               seeds: torch.Tensor) -> torch.Tensor:
+        """`[n]` int64 on CUDA, without writing the logits: a draw from `softmax(logits * inv_t)` per
+        row with a positive inverse temperature (Gumbel noise from the row's seed), the argmax where
+        it is 0 (`kernels.lm_head_argmax`)."""
+        if not hidden.is_cuda:
+            raise ValueError("sampling in the LM head runs on CUDA; elsewhere use the logits and the Sampler")
+        from swaserve.kernels.lm_head_argmax import lm_head_argmax
+
+        weight = embedding.weight if self.tied else self.weight
+        x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+        return lm_head_argmax(x, weight, self.final_softcap, inv_temperature, seeds)
+

@@ -172,6 +172,11 @@ class CausalLM(nn.Module):
         """`[n, hidden]` -> `[n]` int64: `compute_logits(hidden).argmax(-1)`, without the logits on a GPU."""
         return self.lm_head.greedy(hidden, self.model.embed_tokens)
 
+    def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` -> `[n]` int64 on CUDA: temperature sampling (greedy where `inv_temperature`
+        is 0) without the logits; see `LMHead.sample`."""
+        return self.lm_head.sample(hidden, self.model.embed_tokens, inv_temperature, seeds)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

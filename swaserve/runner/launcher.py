@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.h2d import to_device
-from swaserve.runner.sampler import Sampler, SamplerOutput, SamplingBatch, distinct_params, is_plain_greedy
+from swaserve.runner.sampler import Sampler, SamplerOutput
+from swaserve.runner.sampling_batch import SamplingBatch, distinct_params, is_plain_greedy
 
 if TYPE_CHECKING:
     from swaserve.runner.model_runner import ModelRunner
@@ -69,7 +70,10 @@ class StepLauncher:
             asked = None
         else:
             sb = self._sampling_batch(reqs, params, distinct, rows)
-            out = self.sampler(self.runner.logits(hidden), sb)
+            if sb.inv_temperatures is not None:  # temperature only: sampled in the LM head
+                out = SamplerOutput(self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds), None, None, None)
+            else:
+                out = self.sampler(self.runner.logits(hidden), sb)
             asked = [p.logprobs for p in params] if sb.max_num_logprobs is not None else None
         self.runner.record_sampled(rows, out.next_token_ids)
         if self.device.type != "cuda":

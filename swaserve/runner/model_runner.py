@@ -110,8 +110,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Compile the step's kernels now instead of on the first requests (Triton JITs each kernel on
-        first use, ~0.3-1 s apiece): one prefill forward of two dummy requests, the LM head both
-        ways (logits, greedy), then, unless decode is captured in graphs (capture compiles it), one
+        first use, ~0.3-1 s apiece): one prefill forward of two dummy requests, the LM head every
+        way (logits, greedy, sampling) and the Sampler's noise, then, unless decode is captured in graphs (capture compiles it), one
         decode forward. Dummy requests use table row 0 and KV slot 0, as padded graph rows do, so no
         request's KV is touched."""
         from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
@@ -125,10 +125,14 @@ class ModelRunner:
         hidden = self.forward_hidden(prefill)
         self.logits(hidden)
         if hidden.is_cuda:
-            from swaserve.kernels.lm_head_argmax import SMALL_M
+            from swaserve.kernels.lm_head_argmax import SMALL_M, gumbel_noise
 
-            for n in (1, SMALL_M + 1):  # the greedy head's two launch settings
-                self.greedy_tokens(hidden.new_zeros(n, hidden.shape[1]))
+            for n in (1, SMALL_M + 1):  # the head's two launch settings, greedy and sampling
+                h = hidden.new_zeros(n, hidden.shape[1])
+                seeds = torch.zeros(n, dtype=torch.int64, device=h.device)
+                self.greedy_tokens(h)
+                self.sample_tokens(h, torch.ones(n, device=h.device), seeds)
+            gumbel_noise(seeds, self.model_config.vocab_size)  # the Sampler's draw
         if self.graph_runner is None:
             self.forward(ForwardBatch.build(ForwardMode.DECODE, None, ext, [0] * len(ext), [n + 1 for n in ext],
                                             torch.zeros(len(ext), dtype=torch.int64), self.device))
@@ -161,6 +165,12 @@ class ModelRunner:
         """`[n, hidden]` -> `[n]` int64: the argmax of `logits(hidden)`, without writing the logits on
         a GPU (the LM head's largest output: 268 MB of float32 at 256 rows of Gemma)."""
         return self.model.greedy_tokens(hidden)
+
+    @torch.inference_mode()
+    def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` -> `[n]` int64 on CUDA: a draw from `softmax(logits * inv_temperature)` per
+        row (the argmax where it is 0), without writing the logits."""
+        return self.model.sample_tokens(hidden, inv_temperature, seeds)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[batch_size, vocab]` float32 of each request's last new token."""

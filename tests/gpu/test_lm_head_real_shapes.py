@@ -1,6 +1,7 @@
-"""The greedy LM head (`lm_head_argmax`, no logits in memory) natively on CUDA at Gemma 3's vocabulary
-(262,144) and hidden sizes, both launch settings, against the argmax of the library GEMM's float32
-logits; and `LMHead.greedy` against `LMHead.forward` with and without a final soft-cap."""
+"""The LM head's greedy and sampling paths (`lm_head_argmax`, no logits in memory) natively on CUDA at
+Gemma 3's vocabulary (262,144) and hidden sizes, both launch settings, against the argmax of the
+library GEMM's float32 logits; `LMHead.greedy` against `LMHead.forward` with and without a final
+soft-cap; and the head's draws against the Sampler's on the same seeds."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from swaserve.kernels.lm_head_argmax import SMALL_M, lm_head_argmax
+import numpy as np
+
+from swaserve.kernels.lm_head_argmax import SMALL_M, gumbel_noise, gumbel_noise_ref, lm_head_argmax
 from swaserve.layers.embedding import LMHead, VocabEmbedding
+from swaserve.request import SamplingParams
+from swaserve.runner.sampler import Sampler
+from swaserve.runner.sampling_batch import SamplingBatch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -61,3 +67,37 @@ def test_lm_head_greedy_matches_forward(softcap):
     hidden = torch.randn(40, 640, device=DEV, dtype=torch.bfloat16) * 8  # logits past the cap
     with torch.inference_mode():
         _check(head.greedy(hidden, emb), head(hidden, emb), f"softcap {softcap}")
+
+
+def test_noise_matches_numpy_reference():
+    seeds = torch.tensor([0, 1, 12345, (1 << 63) - 1, 1 << 62], dtype=torch.int64)
+    got = gumbel_noise(seeds.to(DEV), VOCAB).cpu()
+    want = torch.from_numpy(gumbel_noise_ref(seeds.numpy(), np.arange(VOCAB)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.max() < 23.5 and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("bs", [5, SMALL_M + 9])
+def test_head_draws_are_the_samplers_draws(bs):
+    """A batch of temperature-only rows (the head samples) and the same rows next to a top-p row
+    (the Sampler draws from the logits) give each seeded row the same token, up to rounding near
+    a tie; the flags route them that way."""
+    hidden = 1152
+    g = torch.Generator(device=DEV).manual_seed(bs)
+    w = torch.randn(VOCAB, hidden, device=DEV, generator=g, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(bs + 1, hidden, device=DEV, generator=g, dtype=torch.bfloat16)
+    params = [SamplingParams(temperature=0.5 + 0.1 * i, seed=100 + i) if i % 4 else SamplingParams(temperature=0)
+              for i in range(bs)]
+    alone = SamplingBatch.build(params, [[]] * bs, [[]] * bs, VOCAB, DEV)
+    mixed = SamplingBatch.build([*params, SamplingParams(temperature=1.0, top_p=0.9)], [[]] * (bs + 1),
+                                [[]] * (bs + 1), VOCAB, DEV)
+    assert alone.inv_temperatures is not None and mixed.inv_temperatures is None and mixed.seeds is not None
+    assert torch.equal(alone.seeds[alone.inv_temperatures > 0], mixed.seeds[:bs][alone.inv_temperatures > 0])
+    head = lm_head_argmax(x[:bs], w, None, alone.inv_temperatures, alone.seeds)
+    logits = torch.mm(x, w.t(), out_dtype=torch.float32)
+    sampler = Sampler()(logits, mixed).next_token_ids[:bs]
+    inv_t = alone.inv_temperatures[:, None]
+    scores = torch.where(inv_t > 0, logits[:bs] * inv_t + gumbel_noise(alone.seeds, VOCAB), logits[:bs])
+    _check(head, scores, f"head bs {bs}")
+    _check(sampler, scores, f"sampler bs {bs}")
+    assert (head != sampler).float().mean() < 0.05

@@ -1,6 +1,7 @@
 """No Triton compile on the request path: after Engine start-up (warm-up forward + decode graph
 capture), serving prompts of every awkward shape (1 token, odd and even counts, chunked prefill,
-batch sizes 1 to many, finished requests leaving odd batches) compiles nothing new. A compile
+batch sizes 1 to many, finished requests leaving odd batches; greedy, temperature-only and top-p
+sampling) compiles nothing new. A compile
 costs ~0.3-1 s of stalled serving; on an H100 the first offline run of 256 requests paid 9 of
 them (~1.2 s) before batch fields were aligned and batch sizes unspecialised."""
 
@@ -22,6 +23,8 @@ from swaserve.kernels.common import compiled_variants  # noqa: E402
 from swaserve.request import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+# Every way a step picks tokens: greedy and temperature-only in the LM head, top-p in the Sampler.
+KINDS = [{"temperature": 0.0}, {"temperature": 0.7, "seed": 1}, {"temperature": 0.9, "top_p": 0.9}]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -35,7 +38,7 @@ def test_serving_compiles_nothing_after_startup():
     for wave in (lens[:1], lens[1:3], lens[3:]):  # batch sizes 1, 2, then many
         for i, n in enumerate(wave):
             e.add_request(f"{len(wave)}-{i}", [rng.randint(10, 200000) for _ in range(n)],
-                          SamplingParams(temperature=0.7, seed=i, max_tokens=rng.randint(1, 40), ignore_eos=True))
+                          SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True, **KINDS[i % len(KINDS)]))
         while e.has_unfinished():
             e.step()
     added = new_compiles(at_start, compiled_variants())

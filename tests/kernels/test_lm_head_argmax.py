@@ -1,15 +1,17 @@
-"""lm_head_argmax (greedy tokens without logits) against the argmax of float64 logits."""
+"""lm_head_argmax (greedy tokens and temperature samples without logits) against the argmax of
+float64 logits (plus the NumPy reference of its Gumbel noise), and the samples' distribution."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-from swaserve.kernels.lm_head_argmax import SMALL_M, lm_head_argmax
+from swaserve.kernels.lm_head_argmax import SMALL_M, gumbel_noise_ref, lm_head_argmax
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
@@ -22,10 +24,11 @@ def _ref_logits(x: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torc
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
-def _assert_argmax(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, softcap: float | None, seed: int) -> None:
+def _assert_argmax(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, softcap: float | None, seed: int,
+                   ref: torch.Tensor | None = None) -> None:
     """`got` is the reference argmax, or (rounding differs from float64) a token whose reference
-    logit is within a rounding tolerance of the best one."""
-    ref = _ref_logits(x, w, softcap)
+    score (default: the logits) is within a rounding tolerance of the best one."""
+    ref = _ref_logits(x, w, softcap) if ref is None else ref
     want = ref.argmax(-1)
     assert got.shape == want.shape and got.dtype == torch.int64
     got_c, want_c = got.cpu(), want.cpu()
@@ -102,3 +105,69 @@ def test_rows_do_not_depend_on_batch(device, seed):
 def test_rejects_mismatched_hidden_size(device):
     with pytest.raises(ValueError, match="hidden size"):
         lm_head_argmax(torch.zeros(2, 8, device=device), torch.zeros(10, 16, device=device))
+
+
+def _sampling_scores(x, w, softcap, inv_t: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    logits = _ref_logits(x, w, softcap).cpu()
+    noise = torch.from_numpy(gumbel_noise_ref(seeds.cpu().numpy(), np.arange(w.shape[0]))).double()
+    t = inv_t.cpu().double()[:, None]
+    return torch.where(t > 0, logits * t + noise, logits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,softcap", [(6, None), (SMALL_M + 5, 30.0)])
+def test_sampling_matches_reference_noise(device, seed, dtype, m, softcap):
+    """Rows with a positive inverse temperature take argmax(logits / T + Gumbel(seed, token)); rows
+    with 0 stay greedy in the same launch."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, 64, generator=g) * 0.2).to(device, dtype)  # flat enough that the noise decides
+    w = torch.randn(300, 64, generator=g).to(device, dtype)
+    inv_t = 0.5 + torch.rand(m, generator=g) * 2
+    inv_t[::3] = 0.0  # greedy rows
+    seeds = torch.randint(0, 1 << 62, (m,), generator=g)
+    seeds[1] = (1 << 63) - 1  # the largest seed
+    got = lm_head_argmax(x, w, softcap, inv_t.to(device), seeds.to(device), **SMALL)
+    _assert_argmax(got, x, w, softcap, seed, ref=_sampling_scores(x, w, softcap, inv_t, seeds))
+    sampled = inv_t > 0
+    assert (got.cpu()[sampled] != _ref_logits(x, w, softcap).argmax(-1).cpu()[sampled]).any(), "no noise"
+
+
+def test_sampling_follows_softmax(device):
+    """3,000 draws (one per row, distinct seeds) from 6 tokens at T = 0.7 land on each token with
+    its softmax probability, within 4.5 standard deviations (fixed seeds: passes or fails for good)."""
+    n_rows, k = 3000, 16  # the combine kernel runs one interpreter program per row
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.9, -2.0, 0.0])
+    x = torch.zeros(n_rows, k)
+    x[:, 0] = 1.0
+    w = torch.zeros(6, k)
+    w[:, 0] = logits
+    inv_t = torch.full((n_rows,), 1 / 0.7)
+    seeds = torch.arange(n_rows, dtype=torch.int64) * 7919 + 12345
+    big_rows = {"block_m": 1024, "block_n": 16, "block_k": 16, "num_stages": 1}  # few programs (interpreter)
+    got = lm_head_argmax(x.to(device), w.to(device), None, inv_t.to(device), seeds.to(device), **big_rows).cpu()
+    freq = torch.bincount(got, minlength=6).double() / n_rows
+    p = torch.softmax(logits.double() / 0.7, 0)
+    sd = (p * (1 - p) / n_rows).sqrt()
+    assert ((freq - p).abs() <= 4.5 * sd).all(), f"frequencies {freq.tolist()} vs {p.tolist()}"
+
+
+def test_a_rows_draw_depends_only_on_its_seed(device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 32, generator=g).to(device)
+    w = torch.randn(400, 32, generator=g).to(device)
+    inv_t = torch.ones(5, device=device)
+    seeds = torch.randint(0, 1 << 62, (5,), generator=g).to(device)
+    together = lm_head_argmax(x, w, None, inv_t, seeds, **SMALL).cpu()
+    alone = torch.cat([lm_head_argmax(x[i : i + 1], w, None, inv_t[i : i + 1], seeds[i : i + 1], **SMALL).cpu()
+                       for i in range(5)])
+    assert torch.equal(together, alone)
+    flat = torch.zeros(64, 32, device=device)  # uniform logits: the token is the seed's choice
+    draws = lm_head_argmax(flat, w, None, torch.ones(64, device=device),
+                           torch.arange(64, dtype=torch.int64, device=device), **SMALL)
+    assert len(set(draws.tolist())) > 40, "seeds do not spread the draws"
+
+
+def test_sampling_needs_both_temperature_and_seeds(device):
+    x, w = torch.zeros(2, 8, device=device), torch.zeros(10, 8, device=device)
+    with pytest.raises(ValueError, match="together"):
+        lm_head_argmax(x, w, inv_temperature=torch.ones(2, device=device))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from swaserve.request import SamplingParams
-from swaserve.runner.sampler import Sampler, SamplingBatch
+from swaserve.runner.sampler import Sampler
+from swaserve.runner.sampling_batch import SamplingBatch
 
 V = 64
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -234,3 +236,24 @@ def test_logprobs_are_taken_after_penalties_before_temperature() -> None:
     out = _sample(LOGITS, [p], OUTPUT, PROMPT)
     ref = torch.log_softmax(torch.tensor([[2.0, -3.0, 0.5, 2.0, -2.0]]), -1)
     assert math.isclose(out.logprobs.item(), ref[0, out.next_token_ids.item()].item(), abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_by_selection_equals_top_k_by_sort(device: str) -> None:
+    """When every drawing row has a top-k, the Sampler truncates among the k best (torch.topk)
+    instead of sorting the vocabulary: the same seeded tokens as the sort, ties at the cut kept."""
+    vocab = 3000
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, vocab, generator=gen).to(device)
+    logits[1, :40] = 2.5  # 40 tied values straddling row 1's k = 20
+    params = [SamplingParams(temperature=1.1, top_k=50, seed=1), SamplingParams(temperature=0.9, top_k=20, seed=2),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=7, top_p=0.8, seed=3),
+              SamplingParams(temperature=1.0, top_k=1000, top_p=0.5, min_p=0.05, seed=4)]
+    for step in range(10):  # seeded rows draw anew each step, the same draw both ways
+        batch = SamplingBatch.build(params, [[]] * 5, [[]] * 5, vocab, device, step_indices=[step] * 5)
+        assert batch.top_k_width == 1000
+        by_sort = replace(batch, top_k_width=None)
+        assert torch.equal(Sampler()(logits, batch).next_token_ids, Sampler()(logits, by_sort).next_token_ids)
+    # A drawing row without a top-k needs the whole order.
+    no_k = SamplingBatch.build([*params, SamplingParams(temperature=1.0, top_p=0.9)], [[]] * 6, [[]] * 6, vocab, device)
+    assert no_k.top_k_width is None
