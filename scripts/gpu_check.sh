@@ -17,7 +17,7 @@ export SWASERVE_GPU_REPORT="$OUT/gpu_report.jsonl"
 : > "$SWASERVE_GPU_REPORT"
 BUDGET_S=${GPU_CHECK_BUDGET_S:-535}  # whole run, setup included; later steps get what is left
 # Per-step limits. A fresh machine has no Triton cache: most of (a) and much of (b) is compiling.
-LIMIT_A=150 LIMIT_B=330 LIMIT_C=110
+LIMIT_A=190 LIMIT_B=330 LIMIT_C=110
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi unavailable"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU machine's benchmark command, from the repo root: `bash scripts/gpu_perf.sh [step ...]`.
-# Steps (default: all but fastpaths): profile decode vs_hf offline prefill capacity fastpaths. Each step's log goes to
-# $OUT/<step>.log (default /tmp/out) and its last lines are printed; every step runs even if an
-# earlier one failed, each under a time limit, so the whole run fits one 10-minute device call.
+# Steps (default: all but fastpaths and lm_head): profile decode vs_hf offline prefill capacity
+# sampler fastpaths lm_head. Each step's log goes to $OUT/<step>.log (default /tmp/out) and its
+# last lines are printed; every step runs even if an earlier one failed, each under a time limit.
+# The defaults need two 10-minute device calls: name the steps, e.g. `vs_hf offline decode`, then
+# `profile prefill capacity sampler`.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -10,7 +12,7 @@ OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(profile decode vs_hf offline prefill capacity)
+[ ${#steps[@]} -gt 0 ] || steps=(profile decode vs_hf offline prefill capacity sampler)
 
 run() {  # run NAME LIMIT_S CMD...
     local name=$1 limit=$2 start=$SECONDS
@@ -40,6 +42,8 @@ for step in "${steps[@]}"; do
         offline) run offline 150 python3 benchmarks/offline_throughput.py ;;
         prefill) run prefill 90 python3 benchmarks/prefill.py ;;
         capacity) run capacity 240 python3 benchmarks/memory_capacity.py ;;
+        sampler) TAIL=10 run sampler 120 python3 benchmarks/sampler.py ;;
+        lm_head) run lm_head_sweep 200 python3 benchmarks/lm_head_sweep.py ;;
         *) echo "unknown step $step" ;;
     esac
 done
