@@ -54,7 +54,8 @@ def gumbel_noise_ref(seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """`_gumbel` in NumPy (the tests' reference): `[rows, cols]` float32 for int64 `seeds` `[rows]`
     and token ids `cols`."""
     with np.errstate(over="ignore"):
-        z = seeds.astype(np.uint64)[:, None] + (cols.astype(np.uint64)[None, :] + np.uint64(1)) * np.uint64(_GOLDEN)
+        col = cols.astype(np.uint64)[None, :] + np.uint64(1)
+        z = seeds.astype(np.uint64)[:, None] + col * np.uint64(_GOLDEN)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
         z = z ^ (z >> np.uint64(31))

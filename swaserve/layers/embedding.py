@@ -35,7 +35,7 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """hidden -> float32 logits, with an optional final soft-cap, or straight to greedy tokens.
+    """hidden -> float32 logits, with an optional final soft-cap, or straight to tokens (greedy, sampled).
 
     Owns a weight only when untied; a tied head reads the embedding's weight, passed at call time,
     so no parameter is shared between modules (meta-device init and `to_empty` stay simple).
@@ -74,7 +74,8 @@ class LMHead(nn.Module):
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             from swaserve.kernels.lm_head_argmax import lm_head_argmax
 
-            return lm_head_argmax(hidden if hidden.stride(1) == 1 else hidden.contiguous(), weight, self.final_softcap)
+            x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+            return lm_head_argmax(x, weight, self.final_softcap)
         return self.forward(hidden, embedding).argmax(dim=-1)
 
     def sample(self, hidden: torch.Tensor, embedding: VocabEmbedding, inv_temperature: torch.Tensor,
@@ -89,4 +90,3 @@ class LMHead(nn.Module):
         weight = embedding.weight if self.tied else self.weight
         x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
         return lm_head_argmax(x, weight, self.final_softcap, inv_temperature, seeds)
-

@@ -87,8 +87,9 @@ class CausalLM(nn.Module):
     """A decoder-only LM built from a transformers config; the engine's model interface.
 
     `forward(batch)` returns the final hidden states `[num_tokens, hidden]`, `compute_logits` float32
-    logits, `greedy_tokens` their argmax, `load_weights` consumes (HF name, tensor) pairs and raises
-    ValueError on unknown or missing names. Which layers slide, and their window, come from
+    logits, `greedy_tokens` their argmax and `sample_tokens` a temperature draw (both without the
+    logits on a GPU), `load_weights` consumes (HF name, tensor) pairs and raises ValueError on
+    unknown or missing names. Which layers slide, and their window, come from
     `ModelConfig.from_hf`, so the model and the KV pools agree on layer ids by construction.
     """
 
@@ -172,7 +173,9 @@ class CausalLM(nn.Module):
         """`[n, hidden]` -> `[n]` int64: `compute_logits(hidden).argmax(-1)`, without the logits on a GPU."""
         return self.lm_head.greedy(hidden, self.model.embed_tokens)
 
-    def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    def sample_tokens(
+        self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor
+    ) -> torch.Tensor:
         """`[n, hidden]` -> `[n]` int64 on CUDA: temperature sampling (greedy where `inv_temperature`
         is 0) without the logits; see `LMHead.sample`."""
         return self.lm_head.sample(hidden, self.model.embed_tokens, inv_temperature, seeds)

@@ -71,7 +71,8 @@ class StepLauncher:
         else:
             sb = self._sampling_batch(reqs, params, distinct, rows)
             if sb.inv_temperatures is not None:  # temperature only: sampled in the LM head
-                out = SamplerOutput(self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds), None, None, None)
+                tokens = self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds)
+                out = SamplerOutput(tokens, None, None, None)
             else:
                 out = self.sampler(self.runner.logits(hidden), sb)
             asked = [p.logprobs for p in params] if sb.max_num_logprobs is not None else None

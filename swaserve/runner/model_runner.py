@@ -1,5 +1,5 @@
-"""ModelRunner: one model step (attention metadata, model, last-token hidden states; logits or greedy
-tokens from those), and `build_model`, which instantiates a registry model without initialising its
+"""ModelRunner: one model step (attention metadata, model, last-token hidden states; logits or tokens
+from those), and `build_model`, which instantiates a registry model without initialising its
 weights.
 """
 
@@ -64,7 +64,7 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.dev
 
 class ModelRunner:
     """Runs the model for one `ForwardBatch` (eagerly, or a captured decode graph) and turns each
-    request's last hidden state into next-token logits or greedy tokens.
+    request's last hidden state into next-token logits, or straight into a greedy or sampled token.
 
     Owns the attention backend (chosen by name) and wires it into every batch; the KV pools, the
     request table and `full_to_swa` belong to the memory layer and are only read/written through it.
@@ -111,9 +111,9 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile the step's kernels now instead of on the first requests (Triton JITs each kernel on
         first use, ~0.3-1 s apiece): one prefill forward of two dummy requests, the LM head every
-        way (logits, greedy, sampling) and the Sampler's noise, then, unless decode is captured in graphs (capture compiles it), one
-        decode forward. Dummy requests use table row 0 and KV slot 0, as padded graph rows do, so no
-        request's KV is touched."""
+        way (logits, greedy, sampling) and the Sampler's noise, then, unless decode is captured in
+        graphs (capture compiles it), one decode forward. Dummy requests use table row 0 and KV slot
+        0, as padded graph rows do, so no request's KV is touched."""
         from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 
         ext = [3, 2]  # two requests (no batch-size-1 specialisation), an odd token count
@@ -129,10 +129,10 @@ class ModelRunner:
 
             for n in (1, SMALL_M + 1):  # the head's two launch settings, greedy and sampling
                 h = hidden.new_zeros(n, hidden.shape[1])
-                seeds = torch.zeros(n, dtype=torch.int64, device=h.device)
                 self.greedy_tokens(h)
+                seeds = torch.zeros(n, dtype=torch.int64, device=h.device)
                 self.sample_tokens(h, torch.ones(n, device=h.device), seeds)
-            gumbel_noise(seeds, self.model_config.vocab_size)  # the Sampler's draw
+            gumbel_noise(seeds[:1], self.model_config.vocab_size)  # the Sampler's draw on CUDA
         if self.graph_runner is None:
             self.forward(ForwardBatch.build(ForwardMode.DECODE, None, ext, [0] * len(ext), [n + 1 for n in ext],
                                             torch.zeros(len(ext), dtype=torch.int64), self.device))
@@ -167,7 +167,9 @@ class ModelRunner:
         return self.model.greedy_tokens(hidden)
 
     @torch.inference_mode()
-    def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    def sample_tokens(
+        self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor
+    ) -> torch.Tensor:
         """`[n, hidden]` -> `[n]` int64 on CUDA: a draw from `softmax(logits * inv_temperature)` per
         row (the argmax where it is 0), without writing the logits."""
         return self.model.sample_tokens(hidden, inv_temperature, seeds)

@@ -147,8 +147,10 @@ class SamplingBatch:
         if dev.type == "cuda":
             fresh = torch.randint(0, 1 << 62, (bs,)).tolist()  # unseeded rows: the default generator
             seeds = put([f if r is None else r >> 1 for r, f in zip(row_seeds, fresh)], torch.int64)
-            if not (need_top_k or need_top_p or need_min_p or asked or rep_pen is not None or counts is not None):
-                inv_t = put([0.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params)], torch.float32)
+            plain = not (need_top_k or need_top_p or need_min_p or asked)
+            if plain and rep_pen is None and counts is None:
+                inv_t = put([0.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params)],
+                            torch.float32)
         return cls(
             vocab_size=vocab_size,
             batch_size=bs,
