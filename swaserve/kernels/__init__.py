@@ -31,6 +31,12 @@ host sync, grids fixed by host ints) unless stated otherwise.
   decode-sized (<= 64 rows) weight-streaming GEMMs; split-K float32 partial sums that `add_rms_norm`
   sums, and gate/up + activation in one launch. Opt-in (`use_skinny`, SWASERVE_SKINNY_GEMM=1).
 - `pdl.py`: programmatic dependent launch for the decode step's kernels, opt-in (SWASERVE_PDL=1).
+- `lm_head_argmax(x, weight, softcap, inv_temperature=None, seeds=None)` (lm_head_argmax.py): the
+  LM head straight to tokens without writing logits: each row's argmax, or a Gumbel-max draw at
+  temperature T with noise hashed from the row's seed; `gumbel_noise(seeds, n)` is the same noise
+  for a sampler that has the logits.
+- `top_p_threshold(logits, top_p)` (top_p.py): each row's nucleus threshold by search in the int
+  image of the float32 logits, no sort.
 
 Numerics: fp32 accumulation; fp32 inputs use true-fp32 dots (not tf32); bf16 probabilities are
 rounded to bf16 for the P.V product. Measured on one H100 (triton 3.6, bf16): decode at 2.9 TB/s

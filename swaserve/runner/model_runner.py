@@ -111,7 +111,7 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile the step's kernels now instead of on the first requests (Triton JITs each kernel on
         first use, ~0.3-1 s apiece): one prefill forward of two dummy requests, the LM head every
-        way (logits, greedy, sampling) and the Sampler's noise, then, unless decode is captured in
+        way (logits, greedy, sampling) and the Sampler's kernels, then, unless decode is captured in
         graphs (capture compiles it), one decode forward. Dummy requests use table row 0 and KV slot
         0, as padded graph rows do, so no request's KV is touched."""
         from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
@@ -126,13 +126,16 @@ class ModelRunner:
         self.logits(hidden)
         if hidden.is_cuda:
             from swaserve.kernels.lm_head_argmax import SMALL_M, gumbel_noise
+            from swaserve.kernels.top_p import top_p_threshold
 
             for n in (1, SMALL_M + 1):  # the head's two launch settings, greedy and sampling
                 h = hidden.new_zeros(n, hidden.shape[1])
                 self.greedy_tokens(h)
                 seeds = torch.zeros(n, dtype=torch.int64, device=h.device)
                 self.sample_tokens(h, torch.ones(n, device=h.device), seeds)
-            gumbel_noise(seeds[:1], self.model_config.vocab_size)  # the Sampler's draw on CUDA
+            vocab = self.model_config.vocab_size
+            gumbel_noise(seeds[:1], vocab)  # the Sampler's draw and top-p search on CUDA
+            top_p_threshold(torch.zeros(1, vocab, device=h.device), torch.ones(1, device=h.device))
         if self.graph_runner is None:
             self.forward(ForwardBatch.build(ForwardMode.DECODE, None, ext, [0] * len(ext), [n + 1 for n in ext],
                                             torch.zeros(len(ext), dtype=torch.int64), self.device))

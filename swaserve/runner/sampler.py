@@ -87,7 +87,14 @@ class Sampler:
         """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set; a row's top token is
         always kept. Thresholds are values, so tokens tied with the last kept one are kept too."""
         neg_inf = float("-inf")  # a Python scalar: no host-to-device copy per step
-        if batch.need_top_k or batch.need_top_p:
+        if batch.need_top_p and not batch.need_top_k and logits.is_cuda:
+            # No drawing row has a top-k: search each row's nucleus threshold instead of sorting
+            # the vocabulary (kernels/top_p.py; 1B at 64 rows: see benchmarks/sampler.py).
+            from swaserve.kernels.top_p import top_p_threshold
+
+            threshold = top_p_threshold(logits.contiguous(), batch.top_p)  # [bs, 1]
+            logits = torch.where(logits < threshold, neg_inf, logits)
+        elif batch.need_top_k or batch.need_top_p:
             # One descending order serves both (values only: thresholds are values). When every
             # drawing row has a top-k, its k best suffice (torch.topk: ~5x cheaper than a sort of
             # 262,144 logits on an H100); a row that only has a top-p needs the full sort.

@@ -128,8 +128,7 @@ def test_sampling_matches_reference_noise(device, seed, dtype, m, softcap):
     seeds[1] = (1 << 63) - 1  # the largest seed
     got = lm_head_argmax(x, w, softcap, inv_t.to(device), seeds.to(device), **SMALL)
     _assert_argmax(got, x, w, softcap, seed, ref=_sampling_scores(x, w, softcap, inv_t, seeds))
-    sampled = inv_t > 0
-    assert (got.cpu()[sampled] != _ref_logits(x, w, softcap).argmax(-1).cpu()[sampled]).any(), "no noise"
+    # (That the noise is there at all: test_a_rows_draw_depends_only_on_its_seed's flat rows.)
 
 
 def test_sampling_follows_softmax(device):

@@ -257,3 +257,21 @@ def test_top_k_by_selection_equals_top_k_by_sort(device: str) -> None:
     # A drawing row without a top-k needs the whole order.
     no_k = SamplingBatch.build([*params, SamplingParams(temperature=1.0, top_p=0.9)], [[]] * 6, [[]] * 6, vocab, device)
     assert no_k.top_k_width is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_top_p_search_on_cuda_truncates_like_the_sort() -> None:
+    """Without a top-k, CUDA finds each row's nucleus threshold by search (kernels/top_p.py); the
+    CPU sorts. Same tokens survive (fixed seed: no row lands within rounding of its edge)."""
+    vocab = 262144
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, vocab, generator=gen) * torch.tensor([0.5, 1.0, 2.0, 4.0, 8.0, 1.0])[:, None]
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.5, 0.9, 0.95, 0.8, 0.99)]
+    params.append(SamplingParams(temperature=0.7))  # no truncation
+    kept = []
+    for device in ("cpu", "cuda"):
+        batch = SamplingBatch.build(params, [[]] * 6, [[]] * 6, vocab, device)
+        kept.append(torch.isfinite(Sampler._truncate(logits.to(device), batch)).cpu())
+    assert torch.equal(kept[0], kept[1]), (kept[0].sum(-1), kept[1].sum(-1))
+    assert kept[1][5].all() and kept[1].sum(-1)[0] < kept[1].sum(-1)[1]
