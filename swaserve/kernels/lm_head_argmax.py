@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.kernels.common import dot_flags, jit_per_batch
+from swaserve.kernels.common import _dot, dot_flags, jit_per_batch
 
 SMALL_M = 64  # batches up to here take the weight-streaming tiles
 
@@ -84,10 +84,7 @@ def _tile_argmax_kernel(
         a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(b), input_precision=PREC)
+        acc += _dot(a, tl.trans(b), UPCAST, PREC)
     if HAS_SOFTCAP:
         y = acc / softcap
         # tanh via exp: saturates cleanly to +-1 and needs no libdevice (interpreter).
