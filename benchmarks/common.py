@@ -124,15 +124,13 @@ def fast_paths() -> str:
     import os
 
     from swaserve.kernels.pdl import pdl_supported
-    from swaserve.runner.weight_prefetch import schedule_from_env
 
     def env(name: str) -> str:
         return "on" if os.environ.get(name) == "1" else "off"
 
     blas = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1] if torch.cuda.is_available() else "-"
     return (f"BLAS {blas}, skinny GEMMs {env('SWASERVE_SKINNY_GEMM')}, PDL {'on' if pdl_supported() else 'off'}"
-            f" (env {env('SWASERVE_PDL')}), fused split combine {env('SWASERVE_FUSED_SPLIT_COMBINE')}"
-            f", L2 prefetch {schedule_from_env() or 'off'}")
+            f" (env {env('SWASERVE_PDL')}), fused split combine {env('SWASERVE_FUSED_SPLIT_COMBINE')}")
 
 
 def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

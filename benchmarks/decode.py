@@ -64,8 +64,6 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true", help="A/B: PDL launches for the step's Triton kernels (SWASERVE_PDL=1)")
     ap.add_argument("--fused-combine", action="store_true",
                     help="A/B: decode splits combined in stage 1, no stage-2 launch (SWASERVE_FUSED_SPLIT_COMBINE=1)")
-    ap.add_argument("--l2-prefetch", metavar="SCHEDULE",
-                    help="A/B: L2 weight prefetch on a side stream (SWASERVE_L2_PREFETCH: 1 = default schedule)")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], help="A/B: torch's preferred BLAS library for the GEMMs")
     a = ap.parse_args()
     if a.blas:
@@ -76,8 +74,6 @@ def main() -> None:
         os.environ["SWASERVE_PDL"] = "1"
     if a.fused_combine:
         os.environ["SWASERVE_FUSED_SPLIT_COMBINE"] = "1"
-    if a.l2_prefetch:
-        os.environ["SWASERVE_L2_PREFETCH"] = a.l2_prefetch
     from swaserve.engine import Engine
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

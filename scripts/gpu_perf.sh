@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's benchmark command, from the repo root: `bash scripts/gpu_perf.sh [step ...]`.
-# Steps (default: all but fastpaths, lm_head and prefetch): profile decode vs_hf offline prefill capacity
-# sampler fastpaths lm_head prefetch. Each step's log goes to $OUT/<step>.log (default /tmp/out) and its
+# Steps (default: all but fastpaths and lm_head): profile decode vs_hf offline prefill capacity
+# sampler fastpaths lm_head. Each step's log goes to $OUT/<step>.log (default /tmp/out) and its
 # last lines are printed; every step runs even if an earlier one failed, each under a time limit.
 # The defaults need two 10-minute device calls: name the steps, e.g. `vs_hf offline decode`, then
 # `profile prefill capacity sampler`.
@@ -35,13 +35,6 @@ for step in "${steps[@]}"; do
                 # shellcheck disable=SC2086
                 run "decode_ab${flags// /_}" 100 python3 benchmarks/decode.py --shapes 1b,4b --batch-sizes 1,64 \
                     --contexts 512 --steps 32 $flags
-            done ;;
-        prefetch)  # A/B of L2 weight-prefetch schedules (runner/weight_prefetch.py), off first and last
-            i=0
-            for sched in 0 1 "qkv:o,gate_up" "qkv:o,gate_up;mlp:qkv+1" "qkv:o,gate_up,down" 0; do
-                i=$((i + 1))
-                run "decode_prefetch${i}_${sched//[^a-z0-9_+]/_}" 120 python3 benchmarks/decode.py --shapes 1b \
-                    --batch-sizes 1,64 --contexts 512,1024 --steps 32 --l2-prefetch "$sched"
             done ;;
         decode) run decode 240 python3 benchmarks/decode.py --shapes 1b,4b --batch-sizes 1,16,64,256 \
             --contexts 512,1024,2048,8192 --steps 48 ;;

@@ -72,7 +72,6 @@ class SelfAttention(nn.Module):
         backend = batch.attn_backend
         assert backend is not None, "ModelRunner sets batch.attn_backend before the model runs"
         qkv = self.qkv_proj(hidden)
-        batch.prefetch("qkv", self.spec.layer_id)
         fused = backend.fused_kv_store
         if fused:  # norm + rotary + K/V store in one launch, in place on qkv
             self._norm_rotate_store(qkv, batch)

@@ -57,14 +57,12 @@ class DecoderLayer(nn.Module):
         next layer's input norm, or the final norm), so each residual add and the norm after it run
         as one fused launch on the GPU."""
         # The output projections may hand add_norm split-K partial sums (decode batches on the GPU).
-        layer_id = self.self_attn.spec.layer_id
         attn = self.self_attn(x, batch, partial_sums=True)
-        batch.prefetch("attn", layer_id)
-        h, x = add_norm(attn, h, self.post_attention_layernorm if self.sandwich else None,
-                        self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm)
-        mlp = self.mlp(x, partial_sums=True)
-        batch.prefetch("mlp", layer_id)
-        return add_norm(mlp, h, self.post_feedforward_layernorm if self.sandwich else None, next_norm)
+        if self.sandwich:
+            h, x = add_norm(attn, h, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            return add_norm(self.mlp(x, partial_sums=True), h, self.post_feedforward_layernorm, next_norm)
+        h, x = add_norm(attn, h, None, self.post_attention_layernorm)
+        return add_norm(self.mlp(x, partial_sums=True), h, None, next_norm)
 
 
 class DecoderStack(nn.Module):

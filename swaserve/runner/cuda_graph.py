@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.runner.decode_graph import DecodeGraphRunner
-from swaserve.runner.weight_prefetch import WeightPrefetcher, schedule_from_env
 
 if TYPE_CHECKING:
     from swaserve.runner.model_runner import ModelRunner
@@ -34,26 +33,12 @@ class CudaGraphRunner(DecodeGraphRunner):
         self.backend.init_graph_state(self.sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> [bs, hidden], the graph's output (its pool)
-        self.prefetcher = self._prefetcher()
         self._capture()
-
-    def _prefetcher(self) -> WeightPrefetcher | None:
-        from swaserve.kernels.l2_prefetch import l2_prefetch_supported
-
-        schedule = schedule_from_env()
-        dev = self.runner.device.index if self.runner.device.index is not None else torch.cuda.current_device()
-        if schedule is None or not l2_prefetch_supported(dev):
-            return None
-        return WeightPrefetcher(list(self.model.model.layers), schedule, self.runner.device)
 
     def _run_once(self, bs: int) -> torch.Tensor:
         fb = self._static_batch(bs, [1] * bs)
         self.backend.init_forward_metadata_graph(fb)
-        fb.weight_prefetch = self.prefetcher
-        out = self.model(fb)  # [bs, hidden]: one token per request
-        if self.prefetcher is not None:
-            self.prefetcher.join()
-        return out
+        return self.model(fb)  # [bs, hidden]: one token per request
 
     @torch.inference_mode()
     def _capture(self) -> None:

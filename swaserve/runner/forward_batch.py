@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,13 +49,6 @@ class ForwardBatch:
     # Per-forward scratch shared by layers (e.g. rotary cos/sin); dies with the batch, so nothing
     # computed for one step or one capture run is ever reused by another.
     scratch: dict = field(default_factory=dict, repr=False)
-    # CUDA graph runs: `WeightPrefetcher(point, layer_id)`, which the layers call as a hint (None: off).
-    weight_prefetch: Callable[[str, int], None] | None = field(default=None, repr=False)
-
-    def prefetch(self, point: str, layer_id: int) -> None:
-        """Layer `layer_id` reached `point` ("qkv", "attn", "mlp"): start any scheduled L2 prefetch."""
-        if self.weight_prefetch is not None:
-            self.weight_prefetch(point, layer_id)
 
     @property
     def batch_size(self) -> int:
