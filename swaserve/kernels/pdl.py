@@ -1,20 +1,21 @@
 """Programmatic dependent launch (PDL, Hopper and newer) for the decode step's kernels.
 
-A decode step is ~10 launches per layer, each a few microseconds; the gap between one kernel's
-end and the next one's start is a real part of the step (measured on an H100, Gemma 3 1B at 64
-requests: 1.96 ms of graph replay for 1.96 ms of kernels with cuBLAS, which most likely launches
-its GEMMs with PDL, but 2.06 ms for 1.98 ms of kernels once three of those GEMMs were Triton
-kernels launched plainly). With PDL the next kernel is launched while this one runs and waits on the
-device (`griddepcontrol.wait`) instead of on the launch.
+A decode step is ~10 kernels per layer, and each pays a fixed cost (launch, first loads in
+flight, the tail) that does not shrink with its work: at one row on an H100 a 2.4 MB projection
+takes 3-4 us, a norm 2.7 us (benchmarks/NOTES.md). With PDL the next kernel launches while this one
+runs and waits on the device (`griddepcontrol.wait`), and a weight-streaming GEMM can issue its
+first weight loads before that wait, so its ramp overlaps the kernel before it.
 
-The contract, kept by every kernel that takes `USE_PDL`: `pdl_enter(USE_PDL)` is its first
-statement, before any global memory access. It waits for the previous kernel in the stream to
-complete and flush (which, transitively, covers everything before it), then lets the next kernel
-launch. Kernels launched without PDL keep plain stream order, so mixing is safe.
+The contract, kept by every kernel that takes `USE_PDL`: it starts with `pdl_release(USE_PDL)`
+(the next kernel may launch now) and calls `pdl_wait(USE_PDL)` (the previous kernel has completed
+and flushed, which transitively covers everything before it) before it reads anything a kernel
+writes or writes anything; `pdl_enter` is the two back to back. Between the two a kernel may read
+only what no kernel of the step writes (weights), so a GEMM can start streaming its weights while
+the kernels before it still run. Kernels launched without PDL keep plain stream order, so mixing
+is safe.
 
-Experimental and OFF unless SWASERVE_PDL=1: written at the end of a session whose GPU time ran
-out before it could be compiled or measured on the GPU (see benchmarks/NOTES.md). Also off in the
-Triton interpreter, below compute capability 9, and with a Triton that lacks the launch option.
+OFF unless SWASERVE_PDL=1 (benchmarks/NOTES.md has the A/B numbers). Also off in the Triton
+interpreter, below compute capability 9, and with a Triton that lacks the launch option.
 """
 
 from __future__ import annotations
@@ -48,8 +49,21 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
 
 
 @triton.jit
-def pdl_enter(USE_PDL: tl.constexpr):
-    """First statement of a PDL kernel: wait for the previous kernel, then release the next."""
+def pdl_release(USE_PDL: tl.constexpr):
+    """Let the next kernel in the stream launch; it waits on the device for this one to finish."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has completed and its writes are visible."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """First statement of a PDL kernel that reads nothing before the wait: release, then wait."""
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)

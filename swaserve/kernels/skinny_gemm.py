@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.activation import ACTS, gated_act
-from swaserve.kernels.common import dot_flags, jit_per_batch
-from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
+from swaserve.kernels.common import _dot, dot_flags, jit_per_batch
+from swaserve.kernels.pdl import pdl_kwargs, pdl_release, pdl_wait
 
 MAX_M = 64  # the row tile; larger batches use the library GEMM
 
@@ -42,25 +42,27 @@ def _skinny_gemm_kernel(
     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
     nmask = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_rows = w + rn[:, None].to(tl.int64) * stride_wn
     k_lo = split * K_PER_SPLIT
-    for k0 in range(0, K_PER_SPLIT, BLOCK_K):  # constant trip count: the loads pipeline
+    # The first weight tile is loaded before the PDL wait (weights are read-only during a step).
+    rk = k_lo + tl.arange(0, BLOCK_K)
+    b = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & (rk[None, :] < K), other=0.0)
+    pdl_wait(USE_PDL)
+    a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mmask[:, None] & (rk[None, :] < K), other=0.0)
+    acc = _dot(a, tl.trans(b), UPCAST, PREC)
+    for k0 in range(BLOCK_K, K_PER_SPLIT, BLOCK_K):  # constant trip count: the loads pipeline
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(b), input_precision=PREC)
+        b = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += _dot(a, tl.trans(b), UPCAST, PREC)
     tl.store(out + split * stride_os + rm[:, None] * stride_om + rn[None, :],
              acc.to(out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -71,29 +73,31 @@ def _skinny_gated_kernel(
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    pdl_release(USE_PDL)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
     nmask = rn < I
     gate_rows = w + rn[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + I * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first gate and up tiles are loaded before the PDL wait (weights are read-only).
+    rk = tl.arange(0, BLOCK_K)
+    wmask = nmask[:, None] & (rk[None, :] < K)
+    bg = tl.load(gate_rows + rk[None, :], mask=wmask, other=0.0)
+    bu = tl.load(up_rows + rk[None, :], mask=wmask, other=0.0)
+    pdl_wait(USE_PDL)
+    a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mmask[:, None] & (rk[None, :] < K), other=0.0)
+    acc_g = _dot(a, tl.trans(bg), UPCAST, PREC)
+    acc_u = _dot(a, tl.trans(bu), UPCAST, PREC)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         wmask = nmask[:, None] & kmask[None, :]
         bg = tl.load(gate_rows + rk[None, :], mask=wmask, other=0.0)
         bu = tl.load(up_rows + rk[None, :], mask=wmask, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            acc_g += tl.dot(a, tl.trans(bg.to(tl.float32)), input_precision="ieee")
-            acc_u += tl.dot(a, tl.trans(bu.to(tl.float32)), input_precision="ieee")
-        else:
-            acc_g += tl.dot(a, tl.trans(bg), input_precision=PREC)
-            acc_u += tl.dot(a, tl.trans(bu), input_precision=PREC)
+        acc_g += _dot(a, tl.trans(bg), UPCAST, PREC)
+        acc_u += _dot(a, tl.trans(bu), UPCAST, PREC)
     ty = out.dtype.element_ty
     # gate and up rounded to the dtype first, as the unfused GEMM's output would be.
     y = gated_act(acc_g.to(ty).to(tl.float32), acc_u.to(ty).to(tl.float32), ty, ACT)
@@ -138,7 +142,7 @@ def skinny_gemm(
     row's rounding cannot depend on how many rows came with it."""
     M, K = x.shape
     N = weight.shape[0]
-    block_k, num_stages = _tile_k(x.dtype, block_k or 128, num_stages or 4)
+    block_k, num_stages = _tile_k(x.dtype, block_k or 128, num_stages or 3)
     assert weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
     k_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     if out is None:
@@ -176,7 +180,7 @@ def skinny_gated_gemm(
     M, K = x.shape
     wide = K > 2048
     block_n = block_n or (32 if wide else 64)
-    block_k, num_stages = _tile_k(x.dtype, block_k or (64 if wide else 128), num_stages or 4)
+    block_k, num_stages = _tile_k(x.dtype, block_k or (64 if wide else 128), num_stages or 3)
     if activation not in ACTS:
         raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(ACTS)}")
     if M > block_m:

@@ -1,7 +1,8 @@
 """Compile the decode step's Triton kernels ahead of time for an H100 (sm_90) on a machine without a
-GPU, and report what the GPU would otherwise be needed to find out: whether the PDL form waits
-(`griddepcontrol.wait`) before its first global memory access, and how much shared memory each
-launch configuration needs. Prints one JSON line per kernel. Run by test_compile_sm90.py in a
+GPU, and report what the GPU would otherwise be needed to find out: in the PDL form, whether the
+kernel releases the next one before it waits (`griddepcontrol.wait`) and which global reads and
+writes the compiled code issues before that wait, and how much shared memory each launch
+configuration needs. Prints one JSON line per kernel. Run by test_compile_sm90.py in a
 subprocess, because the kernel tests' process has Triton in interpreter mode.
 
     python tests/kernels/compile_sm90.py
@@ -33,7 +34,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 H100_SMEM = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
         torch.int64: "*i64"}
-_GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+_READ = re.compile(r"\b(ld\.global|cp\.async)")
+_WRITE = re.compile(r"\b(st\.global|atom\.global|red\.global)")
 
 
 class _Recorder:
@@ -97,11 +99,13 @@ def _check(name: str, module, attr: str, call) -> dict:
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=TARGET, options=options)
     lines = compiled.asm["ptx"].splitlines()
-    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
-    first_access = next((i for i, line in enumerate(lines) if _GLOBAL_ACCESS.search(line)), None)
-    return {"kernel": name, "pdl_wait": wait is not None,
-            "wait_before_memory": wait is not None and (first_access is None or wait < first_access),
-            "launch_dependents": any("griddepcontrol.launch_dependents" in line for line in lines),
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), len(lines))
+    release = next((i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line), None)
+    before = lines[:wait]
+    return {"kernel": name, "pdl_wait": wait < len(lines),
+            "release_before_wait": release is not None and release < wait,
+            "reads_before_wait": sum(bool(_READ.search(line)) for line in before),
+            "writes_before_wait": sum(bool(_WRITE.search(line)) for line in before),
             "shared": compiled.metadata.shared, "fits_h100": compiled.metadata.shared <= H100_SMEM}
 
 
