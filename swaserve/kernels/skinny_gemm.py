@@ -29,9 +29,9 @@ MAX_M = 64  # the row tile; larger batches use the library GEMM
 def use_skinny(x: torch.Tensor) -> bool:
     """Whether the layers take the skinny GEMMs for input `x`: opt-in (SWASERVE_SKINNY_GEMM=1),
     CUDA, 2-D, 1..MAX_M rows. Off by default: each GEMM is faster than cuBLAS alone on an H100, but
-    a decode step got slower (Gemma 3 1B at 64 requests 2.14 -> 2.25 ms) with the same kernel time:
-    more launch gaps, most likely because cuBLAS launches with PDL and these kernels did not
-    (benchmarks/NOTES.md)."""
+    not inside a decode step. Without PDL the step got slower (Gemma 3 1B at bs 1 1.54 -> 1.76 ms);
+    with PDL and the first weight tile loaded before the wait it is level with the cuBLAS step
+    (1.55 ms at bs 1, 2.00 vs 2.02 ms at bs 64; benchmarks/NOTES.md, session 6)."""
     return (os.environ.get("SWASERVE_SKINNY_GEMM") == "1" and x.is_cuda and x.dim() == 2
             and 0 < x.shape[0] <= MAX_M)
 
