@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's benchmark command, from the repo root: `bash scripts/gpu_perf.sh [step ...]`.
-# Steps (default: all but fastpaths and lm_head): profile decode vs_hf offline prefill capacity
-# sampler fastpaths lm_head. Each step's log goes to $OUT/<step>.log (default /tmp/out) and its
+# Steps (default: all but fastpaths, lm_head and floor): profile decode vs_hf offline prefill capacity
+# sampler fastpaths lm_head floor. Each step's log goes to $OUT/<step>.log (default /tmp/out) and its
 # last lines are printed; every step runs even if an earlier one failed, each under a time limit.
 # The defaults need two 10-minute device calls: name the steps, e.g. `vs_hf offline decode`, then
 # `profile prefill capacity sampler`.
@@ -44,6 +44,7 @@ for step in "${steps[@]}"; do
         capacity) run capacity 240 python3 benchmarks/memory_capacity.py ;;
         sampler) TAIL=10 run sampler 120 python3 benchmarks/sampler.py ;;
         lm_head) run lm_head_sweep 200 python3 benchmarks/lm_head_sweep.py ;;
+        floor) run kernel_floor 60 python3 benchmarks/kernel_floor.py ;;
         *) echo "unknown step $step" ;;
     esac
 done
