@@ -176,7 +176,9 @@ def skinny_gated_gemm(
 
     Default tiles from the H100 sweep (benchmarks/skinny_gemm_sweep.py, bf16): 64 x 128 at
     Gemma 3 1B's K = 1152 (14.4 us vs 16.7 for cuBLAS + act_and_mul at 64 rows), 32 x 64 at 4B's
-    K = 2560 (42.3 vs 44.7; 64 x 128 took 47.0 there)."""
+    K = 2560 (42.3 vs 44.7; 64 x 128 took 47.0 there). That sweep ran 4 pipeline stages; the
+    default is 3 since the first tile is loaded ahead of the loop (4 no longer fit at K = 1152),
+    and the sweep has not been rerun."""
     M, K = x.shape
     wide = K > 2048
     block_n = block_n or (32 if wide else 64)
