@@ -2,8 +2,8 @@
 small kernel of a decode step (norms, rotary, attention combine at small batches).
 
 A chain of N launches is captured in one graph and replayed; each kernel reads one value its
-predecessor wrote and writes one (a true dependency, as between the step's kernels), with 1 or
-132 programs, launched plainly or with PDL (release first, then wait). Prints microseconds per
+predecessor wrote and writes one (a true dependency, as between the step's kernels), with 1
+program or one per SM, launched plainly or with PDL (release first, then wait). Prints microseconds per
 kernel, graph-timed with CUDA events.
 
     python benchmarks/kernel_floor.py [--chain 256]
@@ -63,7 +63,7 @@ def main() -> None:
     a = ap.parse_args()
     print(f"# {hardware()}; a graph of {a.chain} dependent one-value kernels", flush=True)
     print(f"{'programs':>8} {'launch':>6} {'us/kernel':>10}")
-    for programs in (1, 132):
+    for programs in (1, torch.cuda.get_device_properties(0).multi_processor_count):
         for pdl in (False, True):
             us = per_kernel_us(a.chain, programs, pdl)
             print(f"{programs:>8} {'PDL' if pdl else 'plain':>6} {us:>10.2f}", flush=True)
