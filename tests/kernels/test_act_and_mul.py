@@ -44,12 +44,16 @@ def test_act_and_mul_matches_torch(device, seed, dtype, act, inter):
 
 @pytest.mark.parametrize("act", list(ACTS))
 def test_act_and_mul_saturates_without_nan(device, act):
-    """Huge |gate| (exp overflow inside the kernel) must give gate or -0 like torch, never NaN."""
+    """Huge |gate| (exp overflow inside the kernel) must give gate or -0, never NaN or inf.
+
+    The reference is float64: torch's own float32 CPU gelu may overflow to inf at 3e38 depending on
+    the vector width of the machine's kernel (it multiplies x by 1 + erf before halving)."""
     gate = torch.tensor([-1e4, -200.0, -90.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 90.0, 200.0, 1e4, 3e38])
     gate_up = torch.cat([gate, torch.full_like(gate, 0.5)])[None].to(device)
     got = act_and_mul(gate_up, act)
-    assert not got.isnan().any(), got
-    torch.testing.assert_close(got, _ref(gate_up, act), rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all(), got
+    ref = _ref(gate_up.double(), act).float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_act_and_mul_strided_rows_and_empty(device, seed):
