@@ -10,7 +10,6 @@ import torch
 
 from swaserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from swaserve.memory import (
-    KVPool,
     MemoryPlan,
     ReqToTokenPool,
     SWAEvictor,
@@ -62,29 +61,22 @@ def build_runtime(
         evict_margin=cache.swa_evict_margin,
         evict_chunk=cache.swa_evict_chunk,
         prefill_chunk=sched.max_prefill_tokens,
+        kv_shared_layers=len(config.kv_source),
     )
-    fg, sg = config.full_group, config.swa_group
+    need = plan.swa_tokens_per_request + sched.max_prefill_tokens
+    if plan.hybrid and plan.swa_tokens < need:
+        raise ValueError(
+            f"the SWA pool ({plan.swa_tokens} tokens) cannot hold one request's window plus a prefill chunk "
+            f"({need} tokens): raise the KV budget or swa_full_tokens_ratio, or lower max_prefill_tokens"
+        )
     table = ReqToTokenPool(sched.max_running_requests + 1, ctx, device)
+    kv = SWAKVPool.build(config, plan.full_tokens, plan.swa_tokens, hybrid=plan.hybrid, dtype=kv_dtype, device=device)
     evictor: SWAEvictor | None = None
     if plan.hybrid:
-        need = plan.swa_tokens_per_request + sched.max_prefill_tokens
-        if plan.swa_tokens < need:
-            raise ValueError(
-                f"the SWA pool ({plan.swa_tokens} tokens) cannot hold one request's window plus a prefill chunk "
-                f"({need} tokens): raise the KV budget or swa_full_tokens_ratio, or lower max_prefill_tokens"
-            )
-        full = KVPool(plan.full_tokens, fg.num_layers, fg.num_kv_heads, fg.k_head_dim, fg.v_head_dim, kv_dtype, device)
-        swa = KVPool(plan.swa_tokens, sg.num_layers, sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim, kv_dtype, device)
-        kv = SWAKVPool(full, swa, fg.layer_ids, sg.layer_ids)
         allocator: Any = SWATokenToKVPoolAllocator(plan.full_tokens, plan.swa_tokens, device)
         evictor = SWAEvictor(allocator, table, config.sliding_window, cache.swa_evict_margin, cache.swa_evict_chunk)  # type: ignore[arg-type]
         full_to_swa = allocator.full_to_swa_device
     else:
-        if sg.num_layers and (sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim) != (fg.num_kv_heads, fg.k_head_dim, fg.v_head_dim) and fg.num_layers:
-            raise ValueError("disable_hybrid_swa needs SWA and full layers of the same K/V shape")
-        shape = sg if not fg.num_layers else fg
-        full = KVPool(plan.full_tokens, config.num_layers, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim, kv_dtype, device)
-        kv = SWAKVPool(full, None, fg.layer_ids, sg.layer_ids)
         allocator = TokenToKVPoolAllocator(plan.full_tokens)
         full_to_swa = None
     runner = ModelRunner(config, model, kv, table, full_to_swa, device, dtype, attention_backend=runner_cfg.attention_backend)

@@ -65,12 +65,14 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, v_head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; may be None when kv_stored
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]; may be None when kv_stored
         spec: AttentionSpec,
         batch: ForwardBatch,
         sinks: torch.Tensor | None = None,  # [num_heads] float: per-head sink logits (GPT-OSS)
-        kv_stored: bool = False,  # the layer already wrote k/v at `kv_target` (fused_kv_store only)
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Store k/v into the layer's pool (unless `kv_stored`), then attend; returns
-        `[num_tokens, num_heads, v_head_dim]`."""
+        """Store k/v into the layer's pool (unless `kv_stored`: the layer wrote them at `kv_target`
+        itself, fused with its norms, or it is a KV-shared layer whose source layer wrote them this
+        step), then attend; returns `[num_tokens, num_heads, v_head_dim]`. With `kv_stored`, k/v may
+        be None and are then read back from the pool where a kernel needs them."""

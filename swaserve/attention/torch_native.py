@@ -146,19 +146,19 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, v_head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None when kv_stored
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]
         spec: AttentionSpec,
         batch: ForwardBatch,
         sinks: torch.Tensor | None = None,  # [num_heads] float
-        kv_stored: bool = False,
+        kv_stored: bool = False,  # this step's K/V are in the pool already (a KV-shared layer's source wrote them)
     ) -> torch.Tensor:
-        assert not kv_stored, "the oracle stores K/V itself (fused_kv_store is False)"
         meta: TorchNativeMetadata = batch.attn_metadata
         lid = spec.layer_id
         in_swa = self.kv.uses_swa_space(lid)
-        _, _, locs = self.kv_target(spec, batch)
-        self.kv.set_kv(lid, locs, k, v)
+        if not kv_stored:
+            _, _, locs = self.kv_target(spec, batch)
+            self.kv.set_kv(lid, locs, k, v)
 
         keys = self._keys(batch, spec.sliding_window)
         slots = keys.swa if in_swa else keys.full

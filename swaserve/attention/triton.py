@@ -71,7 +71,7 @@ class TritonAttnBackend(AttentionBackend):
         super().__init__(kv, req_to_token, full_to_swa)
         self.window = sliding_window
         self.device = req_to_token.req_to_token.device
-        self._has_full = any(not kv.uses_swa_space(l) for l in range(kv_layer_count(kv)))
+        self._has_full = any(not kv.uses_swa_space(lid) for lid in kv.layer_ids)
         self._graph: dict[str, KVList] | None = None
         self._num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 8
@@ -154,8 +154,8 @@ class TritonAttnBackend(AttentionBackend):
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, v_head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: read back from the pool
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, v_head_dim]
         spec: AttentionSpec,
         batch: ForwardBatch,
         sinks: torch.Tensor | None = None,
@@ -167,6 +167,11 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf, locs = self.kv_target(spec, batch)
         if not kv_stored:
             store_kv(k_buf, v_buf, locs, k, v)
+        elif (k is None or v is None) and not batch.is_decode:
+            # The extend kernel reads new tokens' K/V from tensors: gather them back from the pool
+            # (KV-shared layers, and layers whose stored V is not a slice of their projection).
+            rows = locs.long()
+            k, v = k_buf[rows], v_buf[rows]
         windowed = spec.sliding_window is not None
         kl = meta.window if windowed else meta.full
         assert kl is not None, f"no key list for layer {lid}"
@@ -195,6 +200,3 @@ class TritonAttnBackend(AttentionBackend):
             self._splits[key] = num_kv_splits_for(bs, spec.num_heads, spec.num_kv_heads, max_len, self._num_sms)
         return self._splits[key]
 
-
-def kv_layer_count(kv: SWAKVPool) -> int:
-    return kv.full.num_layers + (kv.swa.num_layers if kv.swa is not None else 0)

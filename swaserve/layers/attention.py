@@ -19,11 +19,13 @@ if TYPE_CHECKING:
 
 
 class SelfAttention(nn.Module):
-    """q/k/v (one merged GEMM, shards q=0 k=1 v=2) -> per-head norm -> rotary -> backend -> o_proj.
+    """q/k/v (one merged GEMM, shards q=0 k=1 v=2) -> per-head norms -> rotary -> backend -> o_proj.
 
     `spec.layer_id` is the GLOBAL layer id, the one `ModelConfig` and `SWAKVPool` use; the backend
     stores this layer's K/V under it. HF weight names: q_proj, k_proj, v_proj, o_proj, q_norm,
-    k_norm, sinks.
+    k_norm, sinks. Gemma 4 forms: `k_eq_v` (no v_proj: V is the raw key projection), `v_norm` (V
+    RMS-normed without weight), `kv_shared` (q_proj only: the layer reads the K/V its source layer
+    wrote this step and stores nothing; the pool routes its layer id to the source's buffers).
     """
 
     def __init__(
@@ -42,18 +44,26 @@ class SelfAttention(nn.Module):
         o_bias: bool = False,
         qk_norm: dict | None = None,  # RMSNorm kwargs (eps, unit_offset) when q/k are normed per head
         sinks: bool = False,
+        v_norm: dict | None = None,  # RMSNorm kwargs (eps) when V is normed per head without weight
+        k_eq_v: bool = False,
+        kv_shared: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.k_eq_v, self.kv_shared = k_eq_v, kv_shared
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = MergedLinear(hidden_size, [q_size, kv_size, kv_size], qkv_bias)
+        shards = [q_size] if kv_shared else [q_size, kv_size] if k_eq_v else [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(hidden_size, shards, qkv_bias)
         self.o_proj = OutLinear(q_size, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None else None
-        self.k_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None else None
+        self.k_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None and not kv_shared else None
+        self.v_norm = RMSNorm(head_dim, **v_norm, scale=False) if v_norm is not None and not kv_shared else None
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None  # [num_heads]
         self.rotary = rotary
+        # The fused kernel handles the plain layout (q | k | v, no V norm); Gemma 4's forms run unfused.
+        self._fusable = not (kv_shared or k_eq_v or v_norm is not None)
         self.spec = AttentionSpec(
             layer_id=layer_id,
             num_heads=num_heads,
@@ -72,19 +82,33 @@ class SelfAttention(nn.Module):
         backend = batch.attn_backend
         assert backend is not None, "ModelRunner sets batch.attn_backend before the model runs"
         qkv = self.qkv_proj(hidden)
-        fused = backend.fused_kv_store
+        fused = backend.fused_kv_store and self._fusable
         if fused:  # norm + rotary + K/V store in one launch, in place on qkv
             self._norm_rotate_store(qkv, batch)
-        q, k, v = qkv.split(self.qkv_proj.out_sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        parts = qkv.split(self.qkv_proj.out_sizes, dim=-1)
+        q = parts[0].view(n, self.num_heads, self.head_dim)
+        k = v = None
+        if not self.kv_shared:
+            k = parts[1].view(n, self.num_kv_heads, self.head_dim)
+            v = k if self.k_eq_v else parts[2].view(n, self.num_kv_heads, self.head_dim)
         if not fused:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(batch.positions, q, k, batch.scratch)
-        out = backend.forward(q, k, v, self.spec, batch, self.sinks, kv_stored=fused)
+            q, k, v = self._norm_rotate(q, k, v, batch)
+        # A KV-shared layer's K/V are in the pool already: its source layer stored them this step.
+        out = backend.forward(q, k, v, self.spec, batch, self.sinks, kv_stored=fused or self.kv_shared)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), partial_sums)
+
+    def _norm_rotate(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        if self.v_norm is not None:
+            v = self.v_norm(v)  # before k is normed: with k_eq_v, v is the raw key projection
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k) if k is not None else None
+        if v is k and v is not None:
+            v = v.clone()  # the rotation below may run in place on k
+        q, k = self.rotary(batch.positions, q, k, batch.scratch)
+        return q, k, v
 
     def _norm_rotate_store(self, qkv: torch.Tensor, batch: ForwardBatch) -> None:
         from swaserve.kernels.qk_norm_rope import qk_norm_rope_store

@@ -1,5 +1,6 @@
 """Rotary position embedding (rotate-half / NeoX layout) with HF's frequency schemes: default,
-linear, llama3 and YaRN, read from a transformers config's `rope_parameters` (per layer type if nested).
+linear, llama3, YaRN and proportional (Gemma 4), read from a transformers config's `rope_parameters`
+(per layer type if nested).
 """
 
 from __future__ import annotations
@@ -44,17 +45,18 @@ class RotaryEmbedding(nn.Module):
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: a KV-shared layer (q only)
         cache: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cos, sin = self.cos_sin(positions, cache)
         if q.is_cuda:  # one fused launch, in place
             from swaserve.kernels.rotary import apply_rotary_
 
-            apply_rotary_(q, k, cos, sin)
+            apply_rotary_(q, k if k is not None else q[:, :0], cos, sin)
             return q, k
         cos, sin = cos[:, None, :], sin[:, None, :]
-        return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+        q = _rotate(q, cos.to(q.dtype), sin.to(q.dtype))
+        return q, (_rotate(k, cos.to(k.dtype), sin.to(k.dtype)) if k is not None else None)
 
     def extra_repr(self) -> str:
         return f"dim={2 * self.inv_freq.numel()}, attention_scaling={self.attention_scaling}"
@@ -80,10 +82,12 @@ def rope_parameters(hf: Any, layer_type: str | None = None) -> dict[str, Any]:
 def rope_from_config(hf: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
     """Build the rotary embedding HF would use for a layer of `layer_type`."""
     p = rope_parameters(hf, layer_type)
-    if p.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
     rope_type = p.get("rope_type", p.get("type", "default"))
     base = float(p["rope_theta"])
+    if rope_type == "proportional":
+        return RotaryEmbedding(_proportional(p, base, head_dim))
+    if p.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial rotary embeddings are not supported with rope_type {rope_type!r}")
     dim = head_dim
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # [dim / 2]
     inv_freq = 1.0 / (base**exponent)
@@ -95,7 +99,17 @@ def rope_from_config(hf: Any, head_dim: int, layer_type: str | None = None) -> R
         return RotaryEmbedding(_llama3(inv_freq, p))
     if rope_type == "yarn":
         return _yarn(hf, p, base, dim)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn")
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn, proportional")
+
+
+def _proportional(p: dict[str, Any], base: float, head_dim: int) -> torch.Tensor:
+    # Gemma 4's full layers: the first `partial_rotary_factor` of the rotate-half pairs rotate with
+    # exponents over the whole head dim; the rest get frequency 0 (cos 1, sin 0: left as they are).
+    angles = int(p.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    exponent = torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = torch.zeros(head_dim // 2)
+    inv_freq[:angles] = 1.0 / (base**exponent)
+    return inv_freq / p.get("factor", 1.0)
 
 
 def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:

@@ -26,6 +26,9 @@ class MemoryPlan:
     swa_tokens_per_request: int  # at max context: the eviction bound, capped by the context
     max_context: int
     hybrid: bool
+    full_group: KVGroup | None = None  # the K/V shape of each pool, for `describe`
+    swa_group: KVGroup | None = None
+    kv_shared_layers: int = 0  # layers reading another layer's K/V: no bytes in either pool
 
     @property
     def total_bytes(self) -> int:
@@ -41,11 +44,21 @@ class MemoryPlan:
         return n
 
     def describe(self) -> str:
+        """One line: each pool's tokens, K/V shape and bytes per token, and the total."""
         mib = 1 << 20
-        kind = "hybrid" if self.hybrid else "single pool"
-        s = f"{kind}: full pool {self.full_tokens} tokens ({self.full_bytes_per_token} B/token)"
+
+        def shape(*groups: KVGroup | None) -> str:
+            parts = [g.describe() for g in groups if g is not None and g.num_layers]
+            return f"{' + '.join(parts)}, " if parts else ""
+
         if self.hybrid:
-            s += f", SWA pool {self.swa_tokens} tokens ({self.swa_bytes_per_token} B/token)"
+            s = (f"hybrid: full pool {self.full_tokens} tokens ({shape(self.full_group)}{self.full_bytes_per_token} B/token), "
+                 f"SWA pool {self.swa_tokens} tokens ({shape(self.swa_group)}{self.swa_bytes_per_token} B/token)")
+        else:
+            s = (f"single index space: {self.full_tokens} tokens "
+                 f"({shape(self.full_group, self.swa_group)}{self.full_bytes_per_token} B/token)")
+        if self.kv_shared_layers:
+            s += f", {self.kv_shared_layers} KV-shared layers (no K/V of their own)"
         return s + f", {self.total_bytes / mib:.1f} MiB"
 
 
@@ -62,6 +75,7 @@ def plan_memory(
     evict_margin: int = 1,
     evict_chunk: int = 64,
     prefill_chunk: int = 0,
+    kv_shared_layers: int = 0,
 ) -> MemoryPlan:
     """Size the pools for `budget_bytes` of K/V.
 
@@ -78,7 +92,8 @@ def plan_memory(
         tokens = budget_bytes // per_token
         if tokens < 1:
             raise ValueError(f"KV budget {budget_bytes} B holds no token ({per_token} B/token)")
-        return MemoryPlan(int(tokens), 0, per_token, 0, 0, max_context, hybrid=False)
+        return MemoryPlan(int(tokens), 0, per_token, 0, 0, max_context, hybrid=False, full_group=full_group,
+                          swa_group=swa_group, kv_shared_layers=kv_shared_layers)
     assert window is not None
     swa_per_req = min(max_context, window + evict_margin + evict_chunk)
     ratio = swa_full_tokens_ratio if swa_full_tokens_ratio is not None else swa_per_req / max_context
@@ -91,4 +106,5 @@ def plan_memory(
         raise ValueError(f"KV budget {budget_bytes} B is too small for one token in both pools")
     full_tokens = int(full_tokens)
     swa_tokens = int(full_tokens * ratio) + headroom
-    return MemoryPlan(full_tokens, swa_tokens, full_b, swa_b, swa_per_req, max_context, hybrid=True)
+    return MemoryPlan(full_tokens, swa_tokens, full_b, swa_b, swa_per_req, max_context, hybrid=True,
+                      full_group=full_group, swa_group=swa_group, kv_shared_layers=kv_shared_layers)

@@ -15,35 +15,67 @@ only the dummy slots. The table has one trailing entry holding -1, so translatin
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from swaserve.h2d import to_device
 from swaserve.memory.allocator import TokenToKVPoolAllocator
 from swaserve.memory.kv_pool import KVPool
 
+if TYPE_CHECKING:
+    from swaserve.config import ModelConfig
+
 
 class SWAKVPool:
-    """Routes a global layer id to (pool, local layer): full layers to `full`, SWA layers to `swa`.
+    """Routes a global layer id to (pool, local layer, index space).
 
-    With `swa=None` (hybrid memory disabled) every layer, sliding or not, lives in `full` and
-    is read with full-pool indices; attention still applies the window.
+    - Hybrid (`swa_space=True`, the default): full layers live in `full`, SWA layers in `swa`, whose
+      rows are SWA slots (reached through `full_to_swa`).
+    - `swa=None`: every layer, sliding or not, lives in `full` (one K/V shape) and is read with
+      full-pool indices; attention still applies the window.
+    - `swa` given with `swa_space=False` (hybrid memory disabled for a model whose SWA layers have
+      their own K/V shape, Gemma 4): SWA layers keep their own buffers, sized like the full pool and
+      indexed by full slots, so there is one index space and nothing is freed early.
+    - `kv_source` maps KV-shared layers (Gemma 4's tail) to the layer whose K/V they read: they share
+      that layer's buffers and index space and own no slots.
     """
 
-    def __init__(self, full: KVPool, swa: KVPool | None, full_layer_ids: tuple[int, ...], swa_layer_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        full: KVPool,
+        swa: KVPool | None,
+        full_layer_ids: tuple[int, ...],
+        swa_layer_ids: tuple[int, ...],
+        *,
+        swa_space: bool = True,
+        kv_source: dict[int, int] | None = None,
+    ):
         self.full = full
         self.swa = swa
+        self.swa_space = swa is not None and swa_space
         self._map: dict[int, tuple[KVPool, int, bool]] = {}
         if swa is None:
             for local, lid in enumerate(sorted(full_layer_ids + swa_layer_ids)):
                 self._map[lid] = (full, local, False)
         else:
+            if not swa_space:
+                assert swa.size == full.size, "SWA layers indexed by full slots need a full-sized buffer"
             for local, lid in enumerate(full_layer_ids):
                 self._map[lid] = (full, local, False)
             for local, lid in enumerate(swa_layer_ids):
-                self._map[lid] = (swa, local, True)
+                self._map[lid] = (swa, local, self.swa_space)
         assert full.num_layers == sum(1 for p, _, _ in self._map.values() if p is full), "full pool layer count"
         if swa is not None:
             assert swa.num_layers == len(swa_layer_ids), "SWA pool layer count"
+        for shared, source in (kv_source or {}).items():
+            assert shared not in self._map and source in self._map, f"KV-shared layer {shared} -> {source}"
+            self._map[shared] = self._map[source]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Every layer the pools serve, KV-shared layers included."""
+        return sorted(self._map)
 
     def uses_swa_space(self, layer_id: int) -> bool:
         """True if this layer's K/V are indexed by SWA-pool slots (so its indices must be translated)."""
@@ -62,8 +94,41 @@ class SWAKVPool:
         pool, local, _ = self._map[layer_id]
         pool.set_kv(local, locs, k, v)
 
+    def pools(self) -> list[KVPool]:
+        return [self.full] + ([self.swa] if self.swa is not None else [])
+
     def total_bytes(self) -> int:
-        return self.full.total_bytes() + (self.swa.total_bytes() if self.swa is not None else 0)
+        return sum(p.total_bytes() for p in self.pools())
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        full_tokens: int,
+        swa_tokens: int,
+        *,
+        hybrid: bool,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> SWAKVPool:
+        """The pools for `config`: each group gets its own K/V shape; KV-shared layers get none.
+
+        `hybrid`: SWA layers in a pool of `swa_tokens` SWA slots. Otherwise one index space of
+        `full_tokens` slots: one pool when both groups have the same K/V shape, else a full-sized
+        buffer per group (`swa_tokens` is then ignored)."""
+        fg, sg = config.full_group, config.swa_group
+        sources = config.kv_sources
+        full = KVPool(full_tokens, fg.num_layers, fg.num_kv_heads, fg.k_head_dim, fg.v_head_dim, dtype, device)
+        if hybrid and sg.num_layers:
+            swa = KVPool(swa_tokens, sg.num_layers, sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim, dtype, device)
+            return cls(full, swa, fg.layer_ids, sg.layer_ids, kv_source=sources)
+        if not fg.num_layers or not sg.num_layers or fg.same_shape(sg):
+            shape = fg if fg.num_layers else sg
+            one = KVPool(full_tokens, fg.num_layers + sg.num_layers, shape.num_kv_heads, shape.k_head_dim,
+                         shape.v_head_dim, dtype, device)
+            return cls(one, None, fg.layer_ids, sg.layer_ids, kv_source=sources)
+        swa = KVPool(full_tokens, sg.num_layers, sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim, dtype, device)
+        return cls(full, swa, fg.layer_ids, sg.layer_ids, swa_space=False, kv_source=sources)
 
 
 class SWATokenToKVPoolAllocator:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from swaserve.config import FULL, SLIDING, ModelConfig
+from swaserve.config import FULL, SLIDING, ModelConfig, layer_attention_shape
 from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import LMHead, VocabEmbedding
 from swaserve.layers.linear import MergedLinear
@@ -100,15 +100,11 @@ class CausalLM(nn.Module):
         super().__init__()
         hf = self.hf_config = hf_config
         self.config = ModelConfig.from_hf(hf)
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.norm_kw = {"eps": hf.rms_norm_eps, **self.norm_kwargs}
         self._ropes: dict[str, RotaryEmbedding] = {}
-        layers = [
-            DecoderLayer(self.build_attention(i), self.build_mlp(i), hf.hidden_size, self.norm_kw, self.sandwich_norms)
-            for i in range(hf.num_hidden_layers)
-        ]
+        layers = [self.build_layer(i) for i in range(hf.num_hidden_layers)]
         embed = VocabEmbedding(hf.vocab_size, hf.hidden_size, self.embed_scale())
-        self.model = DecoderStack(embed, layers, RMSNorm(hf.hidden_size, **self.norm_kw))
+        self.model = self.build_stack(embed, layers, RMSNorm(hf.hidden_size, **self.norm_kw))
         tied = bool(getattr(hf, "tie_word_embeddings", False))
         softcap = getattr(hf, "final_logit_softcapping", None)
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, tied, softcap)
@@ -118,27 +114,38 @@ class CausalLM(nn.Module):
     def embed_scale(self) -> float | None:
         return None
 
+    def build_layer(self, layer_id: int) -> nn.Module:
+        return DecoderLayer(self.build_attention(layer_id), self.build_mlp(layer_id), self.hf_config.hidden_size,
+                            self.norm_kw, self.sandwich_norms)
+
+    def build_stack(self, embed: VocabEmbedding, layers: list[nn.Module], norm: RMSNorm) -> nn.Module:
+        return DecoderStack(embed, layers, norm)
+
     def layer_type(self, layer_id: int) -> str:
         return SLIDING if self.config.is_sliding(layer_id) else FULL
+
+    def head_dim(self, layer_id: int) -> int:
+        return layer_attention_shape(self.hf_config, layer_id, self.layer_type(layer_id))[0]
 
     def rotary(self, layer_id: int) -> RotaryEmbedding:
         # One module per layer type: Gemma 3 gives each type its own base; others share one dict.
         kind = self.layer_type(layer_id)
         if kind not in self._ropes:
-            self._ropes[kind] = rope_from_config(self.hf_config, self.head_dim, kind)
+            self._ropes[kind] = rope_from_config(self.hf_config, self.head_dim(layer_id), kind)
         return self._ropes[kind]
 
     def attention_kwargs(self, layer_id: int) -> dict[str, Any]:
         hf = self.hf_config
         bias = bool(getattr(hf, "attention_bias", False))
+        head_dim, kv_heads = layer_attention_shape(hf, layer_id, self.layer_type(layer_id))
         return {
             "layer_id": layer_id,
             "hidden_size": hf.hidden_size,
             "num_heads": hf.num_attention_heads,
-            "num_kv_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            "head_dim": self.head_dim,
+            "num_kv_heads": kv_heads,
+            "head_dim": head_dim,
             "rotary": self.rotary(layer_id),
-            "scaling": self.head_dim**-0.5,
+            "scaling": head_dim**-0.5,
             "sliding_window": self.config.sliding_window if self.config.is_sliding(layer_id) else None,
             "qkv_bias": bias,
             "o_bias": bias,

@@ -15,7 +15,6 @@ from torch import nn
 
 from swaserve.config import ModelConfig
 from swaserve.memory import (
-    KVPool,
     ReqToTokenPool,
     SWAEvictor,
     SWAKVPool,
@@ -49,23 +48,17 @@ class Harness:
     ):
         self.config = config
         self.hybrid = hybrid and config.is_hybrid
-        fg, sg = config.full_group, config.swa_group
         self.table = ReqToTokenPool(max_reqs, max_context)
+        self.kv = SWAKVPool.build(config, full_tokens, swa_tokens, hybrid=self.hybrid, dtype=dtype)
+        self.full, self.swa = self.kv.full, self.kv.swa if self.kv.swa_space else None
         if self.hybrid:
-            self.full = KVPool(full_tokens, fg.num_layers, fg.num_kv_heads, fg.k_head_dim, fg.v_head_dim, dtype)
-            self.swa = KVPool(swa_tokens, sg.num_layers, sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim, dtype)
-            self.kv = SWAKVPool(self.full, self.swa, fg.layer_ids, sg.layer_ids)
             self.alloc = SWATokenToKVPoolAllocator(full_tokens, swa_tokens)
             self.evictor = SWAEvictor(self.alloc, self.table, config.sliding_window, margin=0, chunk=1)
             f2s = self.alloc.full_to_swa_device
         else:
-            shape = fg if fg.num_layers else sg
-            self.full = KVPool(full_tokens, config.num_layers, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim, dtype)
-            self.swa = None
-            self.kv = SWAKVPool(self.full, None, fg.layer_ids, sg.layer_ids)
             self.alloc, self.evictor, f2s = TokenToKVPoolAllocator(full_tokens), None, None
-        for pool in (self.full, self.swa):
-            for i in range(pool.num_layers if pool is not None else 0):
+        for pool in self.kv.pools():
+            for i in range(pool.num_layers):
                 pool.k_buffer(i)[0] = float("nan")
                 pool.v_buffer(i)[0] = float("nan")
         self.runner = ModelRunner(config, model, self.kv, self.table, f2s, "cpu", dtype, "torch_native")
