@@ -1,5 +1,6 @@
-"""Mixture of experts, GPT-OSS layout: a biased top-k router and experts with biased, interleaved
-gate/up weights. A plain torch reference (a loop over the experts that got tokens).
+"""Mixture-of-experts blocks. GPT-OSS: a biased top-k router and experts with biased, interleaved
+gate/up weights (a plain per-expert loop). Gemma 4: a normed, scaled router and bias-free stacked
+experts run by `fused_moe.moe_experts`.
 """
 
 from __future__ import annotations
@@ -73,3 +74,59 @@ class MoE(nn.Module):
         (`partial_sums` is the dense layers' option, accepted so the decoder layer need not ask)."""
         weights, ids = self.router(x)
         return self.experts(x, weights, ids)
+
+
+class NormRouter(nn.Module):
+    """Gemma 4's router: weightless RMS norm, a per-channel `scale` and 1/sqrt(hidden), a projection
+    to expert logits, a float32 softmax over ALL experts, the top k of those probabilities
+    renormalised to sum to 1, times a learned `per_expert_scale`. HF names: proj, scale, per_expert_scale.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in 1..num_experts ({num_experts})")
+        from swaserve.layers.norm import RMSNorm
+
+        self.top_k = top_k
+        self.root_size = hidden_size**-0.5
+        self.norm = RMSNorm(hidden_size, eps, scale=False)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.scale = nn.Parameter(torch.empty(hidden_size))  # [hidden]
+        self.per_expert_scale = nn.Parameter(torch.empty(num_experts))  # [E]
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[n, hidden]` -> routing weights `[n, k]` float32 and expert ids `[n, k]` int64."""
+        logits = self.proj(self.norm(h) * self.scale * self.root_size)  # [n, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return top * self.per_expert_scale[ids], ids
+
+
+class StackedExperts(nn.Module):
+    """E gated expert MLPs stored output-major (`x @ W.T`, nn.Linear style) without biases, as Gemma 4
+    checkpoints store them: `gate_up_proj` [E, 2I, hidden] (gate rows first), `down_proj` [E, hidden, I].
+    Runs `fused_moe.moe_experts`: a sorted grouped GEMM on CUDA, a per-expert loop elsewhere."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
+        super().__init__()
+        from swaserve.layers.activation import fused_activation_name
+
+        act = fused_activation_name(activation)
+        if act is None:
+            raise ValueError(f"no fused expert activation for {activation!r}")
+        self.activation = act
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        weights: torch.Tensor,  # [n, k] float32
+        ids: torch.Tensor,  # [n, k] int64
+        row_valid: torch.Tensor | None = None,  # [n] bool: False for a padded graph row (routes nothing)
+    ) -> torch.Tensor:
+        from swaserve.layers.fused_moe import moe_experts
+
+        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid)

@@ -107,7 +107,7 @@ def _proportional(p: dict[str, Any], base: float, head_dim: int) -> torch.Tensor
     # exponents over the whole head dim; the rest get frequency 0 (cos 1, sin 0: left as they are).
     angles = int(p.get("partial_rotary_factor", 1.0) * head_dim // 2)
     exponent = torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = torch.zeros(head_dim // 2)
+    inv_freq = torch.zeros(head_dim // 2, device="cpu")
     inv_freq[:angles] = 1.0 / (base**exponent)
     return inv_freq / p.get("factor", 1.0)
 

@@ -48,10 +48,17 @@ _HF_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_LAYER_MAPS)
+# Families swaserve runs from HF directories whose GGUF form it does not read (yet), with why.
+_HF_DIR_ONLY = {
+    "gemma4": "Gemma 4 is not supported for GGUF (its per-layer head shapes, KV-shared layers, per-layer "
+              "embeddings and experts have no mapping here); load the HF model directory instead",
+}
 
 
 def tensor_name_map(arch: str) -> dict[str, str]:
     """The per-layer stem map of `arch`; `ValueError` naming the supported ones if unknown."""
+    if arch in _HF_DIR_ONLY:
+        raise ValueError(_HF_DIR_ONLY[arch])
     if arch not in _LAYER_MAPS:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

@@ -14,6 +14,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("swaserve.models.gemma3", "Gemma3ForCausalLM"),
     # Text-only use of a multimodal checkpoint: the vision weights are skipped.
     "Gemma3ForConditionalGeneration": ("swaserve.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma4ForCausalLM": ("swaserve.models.gemma4", "Gemma4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": ("swaserve.models.gemma4", "Gemma4ForCausalLM"),
     "GptOssForCausalLM": ("swaserve.models.gpt_oss", "GptOssForCausalLM"),
 }
 
@@ -25,6 +27,8 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
     "gpt_oss": "GptOssForCausalLM",
 }
 

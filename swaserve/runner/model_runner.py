@@ -85,7 +85,7 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
-        if model_config.is_hybrid and kv.swa is not None and full_to_swa is None:
+        if kv.swa_space and full_to_swa is None:
             raise ValueError("an SWA pool needs the full_to_swa table")
         self.attn_backend = create_attention_backend(
             attention_backend or default_attention_backend(self.device), kv, req_to_token, full_to_swa, model_config.sliding_window

@@ -55,6 +55,35 @@ def gpt_oss() -> Any:
                            num_experts_per_tok=2, swiglu_limit=1.0, rope_parameters=rope)
 
 
+def _gemma4(**kw: Any) -> Any:
+    # Full layers twice as wide as sliding ones (Gemma 4's 512 vs 256), proportional RoPE on them.
+    return tf.Gemma4TextConfig(**COMMON, head_dim=16, global_head_dim=32, sliding_window=8,
+                               final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh", **kw)
+
+
+def gemma4() -> Any:
+    """Dense, K = V on the full layers, which also have fewer K/V heads (the 31B / 26B attention)."""
+    return _gemma4(num_hidden_layers=4, attention_k_eq_v=True, num_global_key_value_heads=1,
+                   hidden_size_per_layer_input=0,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"])
+
+
+def gemma4_ple() -> Any:
+    """Per-layer embeddings, the last two layers KV-shared (one of each type) with double-wide MLPs (E2B/E4B)."""
+    return _gemma4(num_hidden_layers=6, hidden_size_per_layer_input=8, vocab_size_per_layer_input=160,
+                   num_kv_shared_layers=2, use_double_wide_mlp=True,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                                "sliding_attention", "full_attention"])
+
+
+def gemma4_moe() -> Any:
+    """The 26B-A4B form: a routed-experts block beside every dense MLP, K = V full layers."""
+    return _gemma4(num_hidden_layers=4, attention_k_eq_v=True, num_global_key_value_heads=1,
+                   hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                   moe_intermediate_size=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+
+
 FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
     "llama": (llama, tf.LlamaForCausalLM),
     "mistral": (mistral, tf.MistralForCausalLM),
@@ -62,6 +91,9 @@ FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
     "gemma2": (gemma2, tf.Gemma2ForCausalLM),
     "gemma3": (gemma3, tf.Gemma3ForCausalLM),
     "gpt_oss": (gpt_oss, tf.GptOssForCausalLM),
+    "gemma4": (gemma4, tf.Gemma4ForCausalLM),
+    "gemma4_ple": (gemma4_ple, tf.Gemma4ForCausalLM),
+    "gemma4_moe": (gemma4_moe, tf.Gemma4ForCausalLM),
 }
 
 
@@ -78,6 +110,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.12 * noise)
         else:
             p.copy_(0.5 * noise)
+    for name, b in model.named_buffers():
+        if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale: a buffer, 1 at init
+            b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=g))
 
 
 def make_hf_model(family: str, out_dir: Path, seed: int = 0) -> torch.nn.Module:

@@ -128,6 +128,14 @@ class Harness:
         self.table.check_integrity()
         self.alloc.check_integrity()
 
+    def assert_empty(self) -> None:
+        """Every request released: no row, no full slot and (hybrid) no SWA slot still owned."""
+        self.check()
+        assert not self.table.live_rows(), f"rows still live: {self.table.live_rows()}"
+        pools = [self.alloc.full, self.alloc.swa] if self.hybrid else [self.alloc]
+        for pool in pools:
+            assert pool.used() == 0, f"{pool.used()} slots still owned"
+
     def generate(self, prompts: list[list[int]], steps: int, chunk: int | None = None) -> tuple[list[torch.Tensor], list[list[int]]]:
         """Greedy: prefill all prompts (in chunks of `chunk` if set), then `steps - 1` batched decodes.
 

@@ -1,4 +1,4 @@
-"""Loading paths and their errors: sharded safetensors, a multimodal Gemma 3 checkpoint (text part),
+"""Loading paths and their errors: sharded safetensors, multimodal Gemma 3 and Gemma 4 checkpoints (text part),
 bf16 weights, tied heads with a stored copy, and clear errors for missing files, unknown
 architectures, unknown/missing weights and MXFP4 GPT-OSS."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers as tf
-from families import FAMILIES, gemma3, make_hf_model, randomize_
+from families import FAMILIES, gemma3, gemma4, gemma4_ple, make_hf_model, randomize_
 from harness import Harness
 
 from swaserve.config import ModelConfig
@@ -56,7 +56,39 @@ def test_multimodal_gemma3_checkpoint_loads_text_model(tmp_path):
     assert (prefill_logits(config, model) - hf_last_logits(hf)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_multimodal_gemma4_checkpoint_loads_text_model(tmp_path, caplog):
+    text = gemma4().to_dict()
+    for key in ("architectures", "transformers_version", "model_type", "dtype", "per_layer_config"):
+        text.pop(key, None)
+    text.update(global_head_dim=32, num_global_key_value_heads=1)
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 8}
+    cfg = tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    cfg._attn_implementation = "eager"
+    hf = tf.Gemma4ForConditionalGeneration(cfg).eval()
+    randomize_(hf, 0)
+    hf.save_pretrained(tmp_path)
+    with caplog.at_level("INFO", logger="swaserve.models.gemma4"):
+        config, model = load_model_from_dir(tmp_path, dtype=torch.float32)
+    assert "vision/audio towers are skipped" in caplog.text
+    assert config.architecture == "Gemma4ForConditionalGeneration"
+    assert (config.full_group.k_head_dim, config.swa_group.k_head_dim) == (32, 16)
+    assert (prefill_logits(config, model) - hf_last_logits(hf)).abs().max() < 1e-4
+
+
+def test_kv_shared_layers_skip_stored_kv_weights(tmp_path):
+    # Checkpoints may still carry k/v projections for KV-shared layers (HF ignores them on load).
+    hf = make_hf_model("gemma4_ple", tmp_path)
+    extra = {"model.layers.5.self_attn.k_proj.weight": torch.zeros(64, 64),
+             "model.layers.4.self_attn.v_proj.weight": torch.zeros(32, 64)}
+    config = ModelConfig.from_hf(gemma4_ple())
+    assert config.kv_source == ((4, 3), (5, 1)) and 4 not in config.swa_group.layer_ids
+    model = build_model(config, torch.float32, "cpu")
+    model.load_weights([*iter_safetensors(tmp_path), *extra.items()])
+    assert (prefill_logits(config, model) - hf_last_logits(hf)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "gemma4_moe"])
 def test_bf16_weights(tmp_path, family):
     # bf16 end to end (weights, KV pools, activations) vs HF in fp32: a loose check that no
     # path silently mixes dtypes; tight parity is the fp32 tests' job.
@@ -108,7 +140,8 @@ def test_missing_files_raise(tmp_path):
 
 def test_registry():
     assert {"Gemma3ForCausalLM", "Gemma2ForCausalLM", "MistralForCausalLM", "LlamaForCausalLM",
-            "Qwen3ForCausalLM", "GptOssForCausalLM"} <= set(supported_architectures())
+            "Qwen3ForCausalLM", "GptOssForCausalLM", "Gemma4ForCausalLM",
+            "Gemma4ForConditionalGeneration"} <= set(supported_architectures())
     with pytest.raises(ValueError, match="unsupported model architecture 'FooForCausalLM'.*LlamaForCausalLM"):
         get_model_class("FooForCausalLM")
     # A config built in code has no `architectures`: the model type decides.

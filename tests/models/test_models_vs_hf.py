@@ -2,7 +2,7 @@
 through swaserve's HF-directory loader: prefill and per-step logits (max abs diff < 1e-4) and 32
 greedy tokens identical to HF `generate` on each prompt alone, for a batch of prompts of different
 lengths that cross the window; hybrid (small SWA pool, eviction) and single-pool memory, one-shot
-and chunked prefill.
+and chunked prefill; integrity checked after every release and both pools empty at the end.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def test_greedy_matches_hf(family, hybrid, chunk):
     swa_tokens = sum(len(p) for p in prompts) + len(prompts)
     h = Harness(config, model, hybrid=hybrid, full_tokens=total + 8, swa_tokens=swa_tokens)
     logits, tokens = h.generate(prompts, STEPS, chunk=chunk)
+    h.assert_empty()
 
     worst = 0.0
     for i, (lg, toks) in enumerate(zip(logits, tokens)):

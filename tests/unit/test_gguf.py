@@ -290,6 +290,14 @@ def test_header_parser_matches_gguf_reader(tmp_path: Path) -> None:
 # --- errors -----------------------------------------------------------------------------------------
 
 
+def test_gemma4_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "g4.gguf", "gemma4", {"gemma4.block_count": 1}, {"token_embd.weight": (np.ones(32), Q.F32)}
+    )
+    with pytest.raises(ValueError, match="Gemma 4 is not supported for GGUF.*HF model directory"):
+        G.load_gguf_config(path)
+
+
 def test_unknown_architecture_names_supported_ones(tmp_path: Path) -> None:
     path = write_gguf(
         tmp_path / "m.gguf", "mamba", {"mamba.block_count": 1}, {"x.weight": (np.ones(32), Q.F32)}
