@@ -2,7 +2,8 @@
 GPU, and report what the GPU would otherwise be needed to find out: in the PDL form, whether the
 kernel releases the next one before it waits (`griddepcontrol.wait`) and which global reads and
 writes the compiled code issues before that wait, and how much shared memory each launch
-configuration needs. Prints one JSON line per kernel. Run by test_compile_sm90.py in a
+configuration needs (the extend attention kernel too: shared memory only, it has no PDL form).
+Prints one JSON line per kernel. Run by test_compile_sm90.py in a
 subprocess, because the kernel tests' process has Triton in interpreter mode.
 
     python tests/kernels/compile_sm90.py
@@ -26,6 +27,7 @@ from triton.compiler import ASTSource
 # By module path: the package re-exports a function named decode_attention over the module's name.
 activation = importlib.import_module("swaserve.kernels.activation")
 decode_attention = importlib.import_module("swaserve.kernels.decode_attention")
+extend_attention = importlib.import_module("swaserve.kernels.extend_attention")
 norm = importlib.import_module("swaserve.kernels.norm")
 qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
@@ -53,14 +55,16 @@ def _signature(kernel, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
     """Signature, constexprs, options and attributes as the JIT would specialise this call on a GPU:
     16-byte aligned pointers and ints divisible by 16 marked so, ints equal to 1 made constants
     (without the marks Triton cannot use asynchronous copies and the pipeline looks different)."""
-    sig, consts, attrs, options = {}, {}, {}, {"launch_pdl": True}
+    pdl = "USE_PDL" in kernel.arg_names
+    sig, consts, attrs, options = {}, {}, {}, {"launch_pdl": pdl}
     named = dict(zip(kernel.arg_names, args))
     for k, v in kw.items():
         if k in ("num_warps", "num_stages"):
             options[k] = v
         elif k != "launch_pdl":
             named[k] = v
-    named["USE_PDL"] = True
+    if pdl:
+        named["USE_PDL"] = True
     aligned = [["tt.divisibility", 16]]
     for i, p in enumerate(kernel.params):
         v = named[p.name]
@@ -82,9 +86,9 @@ def _signature(kernel, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
 
 
 def _check(name: str, module, attr: str, call) -> dict:
-    # Every kernel of the module records (a wrapper may launch two); `attr` is the one compiled.
-    kernels = {k: v for k, v in vars(module).items() if isinstance(v, triton.runtime.jit.JITFunction)
-               and "USE_PDL" in v.arg_names}
+    # Every jit function of the module records (a wrapper may launch two kernels; helpers are never
+    # called, as nothing launches); `attr` is the one compiled.
+    kernels = {k: v for k, v in vars(module).items() if isinstance(v, triton.runtime.jit.JITFunction)}
     recorders = {k: _Recorder(v) for k, v in kernels.items()}
     for k, rec in recorders.items():
         setattr(module, k, rec)
@@ -107,6 +111,38 @@ def _check(name: str, module, attr: str, call) -> dict:
             "reads_before_wait": sum(bool(_READ.search(line)) for line in before),
             "writes_before_wait": sum(bool(_WRITE.search(line)) for line in before),
             "shared": compiled.metadata.shared, "fits_h100": compiled.metadata.shared <= H100_SMEM}
+
+
+def _attention_cases() -> list[tuple]:
+    """Decode and extend at Gemma 4's head shapes with their default launch settings: sliding layers
+    d256 with 16 q / 8 kv heads, full layers d512 with 16 q / 2 kv heads (a GQA group of 8). The
+    fused combine and stage 2 only differ from the d256 split form by their epilogue: d512 only.
+    Extend is not a decode-step kernel (no PDL form): only its shared memory is checked."""
+    cases: list[tuple] = []
+    for d, hq, hkv in ((256, 16, 8), (512, 16, 2)):
+        q = torch.zeros(4, hq, d, dtype=torch.bfloat16)
+        out = torch.zeros_like(q)
+        kv = torch.zeros(64, hkv, d, dtype=torch.bfloat16)
+        ip, ix = torch.zeros(5, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+        for splits, fused in ((1, False), (4, False), (4, True))[: 3 if d == 512 else 2]:
+            tag = f"d{d} g{hq // hkv}, " + ("direct" if splits == 1 else "split, fused combine" if fused else "split")
+            ctr = torch.zeros(64, dtype=torch.int32) if fused else None
+            cases.append((f"decode_stage1[{tag}]", decode_attention, "_decode_stage1",
+                          lambda q=q, kv=kv, out=out, ip=ip, ix=ix, splits=splits, ctr=ctr:
+                          decode_attention.decode_attention(q, kv, kv, ip, ix, out, 1.0, num_kv_splits=splits,
+                                                            split_counters=ctr)))
+        if d == 512:
+            cases.append((f"decode_stage2[d{d}]", decode_attention, "_decode_stage2",
+                          lambda q=q, kv=kv, out=out, ip=ip, ix=ix:
+                          decode_attention.decode_attention(q, kv, kv, ip, ix, out, 1.0, num_kv_splits=4)))
+        for dtype in (torch.bfloat16, torch.float32):
+            qe, kve = q.to(dtype), kv.to(dtype)
+            cases.append((f"extend[d{d} g{hq // hkv}, {'bf16' if dtype == torch.bfloat16 else 'fp32'}]",
+                          extend_attention, "_extend_kernel",
+                          lambda qe=qe, kve=kve, ip=ip, ix=ix, w=1024 if d == 256 else None:
+                          extend_attention.extend_attention(qe, kve[:4], kve[:4], torch.zeros_like(qe), kve, kve, ip,
+                                                            ip, ix, ip[:4], 1.0, max_extend_len=4, window=w)))
+    return cases
 
 
 def main() -> None:
@@ -142,6 +178,7 @@ def main() -> None:
         ("decode_stage2", decode_attention, "_decode_stage2",
          lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=4)),
     ]
+    cases += _attention_cases()
     for dtype in (bf16, f32):
         tag = "bf16" if dtype == bf16 else "fp32"
         xs = torch.zeros(T, inter, dtype=dtype)

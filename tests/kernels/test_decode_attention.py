@@ -42,13 +42,45 @@ FUSED_CASES = [pytest.param(*c.values, True, id=f"{c.id}-fused") for c in CASES 
 @pytest.mark.parametrize("H,Hkv,Dk,Dv,dtype,window,softcap,use_sinks,splits,fused",
                          [pytest.param(*c.values, False, id=c.id) for c in CASES] + FUSED_CASES)
 def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, splits, fused, device, seed):
+    scaling = Dk**-0.5 * (4.0 if softcap else 1.0)  # bigger logits so the soft-cap matters
+    _check_decode(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, splits, fused, device, seed, LENS, scaling,
+                  block_n=16)
+
+
+# Gemma 4: sliding layers d256 (26B-A4B: 16 q / 8 kv heads, a GQA group of 2), full layers d512
+# (16 q / 2 kv heads, group 8); scaling 1.0 (q and k are RMS-normed), no soft-cap, no sinks. Fewer
+# heads than the real model, same groups. The window spans several 16-key blocks and ends mid-block.
+W4 = 40
+LENS4 = [W4, W4 + 1, W4 + 2, 2 * W4 + 4, 1]
+GEMMA4_CASES = [
+    # H, Hkv, D, dtype, window, splits, fused
+    pytest.param(4, 2, 256, torch.float32, W4, 1, False, id="d256-g2-swa-direct"),
+    pytest.param(4, 2, 256, torch.bfloat16, W4, 3, False, id="d256-g2-swa-bf16-split3"),
+    pytest.param(8, 1, 256, torch.float32, W4, 2, True, id="d256-g8-swa-split2-fused"),
+    pytest.param(8, 1, 512, torch.float32, None, 1, False, id="d512-g8-full-direct"),
+    pytest.param(8, 1, 512, torch.bfloat16, None, 4, True, id="d512-g8-full-bf16-split4-fused"),
+    pytest.param(8, 1, 512, torch.bfloat16, W4, 2, False, id="d512-g8-swa-bf16-split2"),
+    pytest.param(4, 2, 512, torch.float32, W4, 3, False, id="d512-g2-swa-split3"),
+]
+
+
+@pytest.mark.parametrize("H,Hkv,D,dtype,window,splits,fused", GEMMA4_CASES)
+def test_decode_gemma4_head_dims(H, Hkv, D, dtype, window, splits, fused, device, seed):
+    """Queries at positions W-1, W, W+1 and 2W+3 (and 0), scaling 1.0 with q at RMS D**-0.5 * 2, so
+    the logits spread like normed q/k and the softmax is neither flat nor one-hot."""
+    _check_decode(H, Hkv, D, D, dtype, window, 0.0, False, splits, fused, device, seed, LENS4, 1.0, block_n=16,
+                  q_std=2 * D**-0.5)
+
+
+def _check_decode(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, splits, fused, device, seed, lens, scaling,
+                  block_n=None, q_std=1.0):
     g = torch.Generator().manual_seed(seed)
-    bs = len(LENS)
+    bs = len(lens)
     swa = window is not None
     # SWA layers: positions older than the window were evicted (unmapped, NaN in the pool), so any
     # read outside the list's window poisons the output.
-    swa_from = [max(0, L - window) for L in LENS] if swa else None
-    pools = make_pools(LENS, Hkv, Dk, Dv, dtype, g, device, swa_from=swa_from)
+    swa_from = [max(0, L - window) for L in lens] if swa else None
+    pools = make_pools(lens, Hkv, Dk, Dv, dtype, g, device, swa_from=swa_from)
     k_buf, v_buf = (pools.k_swa, pools.v_swa) if swa else (pools.k_full, pools.v_full)
     C = pools.req_to_token.shape[1]
     kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=device)
@@ -56,16 +88,15 @@ def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, spli
     build_kv_indices(
         pools.req_to_token,
         pools.rows,
-        torch.tensor(LENS, dtype=torch.int32, device=device),
+        torch.tensor(lens, dtype=torch.int32, device=device),
         kv_indptr,
         kv_indices,
         window=window,
         full_to_swa=pools.full_to_swa if swa else None,
     )
 
-    q = torch.randn(bs, H, Dk, generator=g).to(dtype)
+    q = (torch.randn(bs, H, Dk, generator=g) * q_std).to(dtype)
     sinks = torch.randn(H, generator=g) * 2 if use_sinks else None
-    scaling = Dk**-0.5 * (4.0 if softcap else 1.0)  # bigger logits so the soft-cap matters
     out = torch.full((bs, H, Dv), float("nan"), dtype=dtype, device=device)
     kw = {}
     if splits > 1:  # poisoned scratch: stage 2 must read only splits stage 1 wrote
@@ -85,7 +116,7 @@ def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, spli
         logit_softcap=softcap,
         sinks=None if sinks is None else sinks.to(device),
         num_kv_splits=splits,
-        block_n=16,
+        block_n=block_n,
         block_h=block_h,
         **kw,
     )
@@ -93,7 +124,7 @@ def test_decode_vs_dense(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, spli
     assert not out.isnan().any(), f"output not fully written or NaN read (seed={seed})"
     if fused:
         assert not kw["split_counters"].any(), "the combining program must leave its counter at 0"
-    for b, L in enumerate(LENS):
+    for b, L in enumerate(lens):
         pos = torch.arange(L)
         vis = window_mask(torch.tensor([L - 1]), pos, window)
         ref = attend_ref(q[b : b + 1], pools.k_true[b], pools.v_true[b], vis, scaling, softcap, sinks)
@@ -178,42 +209,17 @@ def test_decode_fixed_split_tile_is_batch_invariant(device, seed):
 
 
 @pytest.mark.parametrize(
-    "Dk,Dv,H,Hkv",
-    [(256, 256, 8, 4), (512, 512, 8, 1), (192, 128, 16, 4), (64, 64, 16, 2)],
-    ids=["gemma-d256", "gemma4-full-d512", "mimo-dk192-dv128", "gptoss-d64"],
+    "Dk,Dv,H,Hkv,window",
+    [(256, 256, 8, 4, None), (512, 512, 8, 1, None), (192, 128, 16, 4, None), (64, 64, 16, 2, None),
+     (256, 256, 16, 8, 64), (512, 512, 16, 2, None)],
+    ids=["gemma-d256", "gemma4-full-d512", "mimo-dk192-dv128", "gptoss-d64", "gemma4-26b-swa-d256",
+         "gemma4-26b-full-d512"],
 )
-def test_decode_real_head_dims_default_blocks(Dk, Dv, H, Hkv, device, seed):
-    """The production head dims with default block sizes and split count."""
-    g = torch.Generator().manual_seed(seed)
-    lens = [70, 1, 130]
-    pools = make_pools(lens, Hkv, Dk, Dv, torch.bfloat16, g, device)
-    bs = len(lens)
-    kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=device)
-    kv_indices = torch.empty(sum(lens), dtype=torch.int32, device=device)
-    build_kv_indices(pools.req_to_token, pools.rows, torch.tensor(lens, device=device), kv_indptr, kv_indices)
-    q = torch.randn(bs, H, Dk, generator=g).to(torch.bfloat16)
-    sinks = torch.randn(H, generator=g)
-    out = torch.full((bs, H, Dv), float("nan"), dtype=torch.bfloat16, device=device)
-    decode_attention(
-        q.to(device), pools.k_full, pools.v_full, kv_indptr, kv_indices, out, Dk**-0.5, sinks=sinks.to(device)
-    )
-    out = out.cpu()
-    for b, L in enumerate(lens):
-        ref = attend_ref(
-            q[b : b + 1],
-            pools.k_true[b],
-            pools.v_true[b],
-            torch.ones(1, L, dtype=torch.bool),
-            Dk**-0.5,
-            0.0,
-            sinks,
-        )
-        torch.testing.assert_close(
-            out[b : b + 1].double(),
-            ref,
-            **tolerances(torch.bfloat16),
-            msg=lambda m, b=b: f"request {b} seed={seed}: {m}",
-        )
+def test_decode_real_head_dims_default_blocks(Dk, Dv, H, Hkv, window, device, seed):
+    """The production head dims with default block sizes (several key blocks per list) and the
+    backend's default split count."""
+    _check_decode(H, Hkv, Dk, Dv, torch.bfloat16, window, 0.0, True, 8, False, device, seed, [70, 1, 130],
+                  Dk**-0.5)
 
 
 def test_num_kv_splits_for():

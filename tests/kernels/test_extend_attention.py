@@ -31,7 +31,8 @@ CASES = [
 ]
 
 
-def _run(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, reqs, device, seed, pass_start, blocks=16):
+def _run(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, reqs, device, seed, pass_start, blocks=16,
+         scaling=None, q_std=1.0):
     g = torch.Generator().manual_seed(seed)
     bs = len(reqs)
     lens = [p + e for p, e in reqs]
@@ -59,11 +60,12 @@ def _run(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, reqs, device, seed, 
 
     qo = torch.tensor([0] + [e for _, e in reqs]).cumsum(0).to(torch.int32)
     T = int(qo[-1])
-    q = torch.randn(T, H, Dk, generator=g).to(dtype)
+    q = (torch.randn(T, H, Dk, generator=g) * q_std).to(dtype)
     k_new = torch.cat([pools.k_true[b][p:] for b, (p, _) in enumerate(reqs)])
     v_new = torch.cat([pools.v_true[b][p:] for b, (p, _) in enumerate(reqs)])
     sinks = torch.randn(H, generator=g) * 2 if use_sinks else None
-    scaling = Dk**-0.5 * (4.0 if softcap else 1.0)
+    if scaling is None:
+        scaling = Dk**-0.5 * (4.0 if softcap else 1.0)
     out = torch.full((T, H, Dv), float("nan"), dtype=dtype, device=device)
     extend_attention(
         q.to(device),
@@ -108,10 +110,36 @@ def test_extend_explicit_prefix_start(device, seed):
     _run(4, 2, 32, 32, torch.float32, W, 0.0, False, WITH_PREFIX, device, seed, pass_start=True)
 
 
+# Gemma 4: sliding layers d256 (26B-A4B: 16 q / 8 kv heads, a GQA group of 2), full layers d512
+# (16 q / 2 kv heads, group 8); scaling 1.0, no soft-cap, no sinks. Fewer heads, same groups. The
+# window spans several 16-key blocks; new queries sit at positions W-1, W, W+1 and 2W+3, with and
+# without a cached prefix, and a one-token extend at 2W+3 reads only the prefix window.
+W4 = 40
+GEMMA4_REQS = [(0, 2 * W4 + 4), (W4 - 2, 5), (2 * W4 + 3, 1), (29, 2 * W4 - 20)]
+GEMMA4_CASES = [
+    # H, Hkv, D, dtype, window
+    pytest.param(4, 2, 256, torch.float32, W4, id="d256-g2-swa"),
+    pytest.param(4, 2, 256, torch.bfloat16, W4, id="d256-g2-swa-bf16"),
+    pytest.param(8, 1, 256, torch.float32, W4, id="d256-g8-swa"),
+    pytest.param(8, 1, 512, torch.float32, None, id="d512-g8-full"),
+    pytest.param(8, 1, 512, torch.bfloat16, W4, id="d512-g8-swa-bf16"),
+    pytest.param(4, 2, 512, torch.bfloat16, None, id="d512-g2-full-bf16"),
+]
+
+
+@pytest.mark.parametrize("H,Hkv,D,dtype,window", GEMMA4_CASES)
+def test_extend_gemma4_head_dims(H, Hkv, D, dtype, window, device, seed):
+    """Scaling 1.0 with q at RMS D**-0.5 * 2, so the logits spread like normed q/k."""
+    _run(H, Hkv, D, D, dtype, window, 0.0, False, GEMMA4_REQS, device, seed, pass_start=True,
+         scaling=1.0, q_std=2 * D**-0.5)
+
+
 @pytest.mark.parametrize(
     "Dk,Dv,H,Hkv,window",
-    [(256, 256, 4, 2, 16), (512, 512, 2, 1, None), (192, 128, 4, 1, 16)],
-    ids=["gemma-d256-swa", "gemma4-full-d512", "mimo-dk192-dv128-swa"],
+    [(256, 256, 4, 2, 16), (512, 512, 2, 1, None), (192, 128, 4, 1, 16), (256, 256, 16, 8, 48),
+     (512, 512, 16, 2, None)],
+    ids=["gemma-d256-swa", "gemma4-full-d512", "mimo-dk192-dv128-swa", "gemma4-26b-swa-d256",
+         "gemma4-26b-full-d512"],
 )
 def test_extend_real_head_dims_default_blocks(Dk, Dv, H, Hkv, window, device, seed):
     """The production head dims with default block sizes (several M and N blocks)."""
