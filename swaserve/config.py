@@ -165,62 +165,89 @@ def _kv_sources(hf: Any, layer_types: list[str]) -> dict[int, int]:
     return sources
 
 
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    """A config field that is also a command-line option (`swaserve.options` derives the flags)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How the KV memory is budgeted and split between the full and SWA pools."""
 
-    kv_cache_bytes: int | None = None  # explicit budget; None: derived from device memory
-    gpu_memory_fraction: float = 0.85  # of free GPU memory after weights, when kv_cache_bytes is None
-    cpu_kv_cache_bytes: int = 512 << 20  # default budget on CPU
-    dtype: torch.dtype | None = None  # KV dtype; None: the model dtype
-    swa_full_tokens_ratio: float | None = None  # override the planner's SWA:full split
-    disable_hybrid_swa: bool = False  # cache SWA layers in the full pool (comparisons)
-    swa_evict_margin: int = 1  # positions kept beyond the window for steps in flight
-    swa_evict_chunk: int = 64  # free out-of-window SWA slots in chunks of this many
+    kv_cache_bytes: int | None = _opt(
+        None, "KV cache budget in MiB (default: 512 on CPU, --gpu-memory-fraction of free GPU memory)",
+        flag="kv-cache-mb", scale=1 << 20)
+    gpu_memory_fraction: float = _opt(0.85, "fraction of free GPU memory after the weights given to the KV cache")
+    cpu_kv_cache_bytes: int = _opt(512 << 20, "KV budget on CPU when --kv-cache-mb is not given", cli=False)
+    dtype: torch.dtype | None = _opt(None, "KV dtype (default: the model dtype)", cli=False)
+    swa_full_tokens_ratio: float | None = _opt(None, "override the planner's SWA:full pool token ratio")
+    disable_hybrid_swa: bool = _opt(False, "cache sliding-window layers in the full pool (comparisons)")
+    swa_evict_margin: int = _opt(1, "positions kept beyond the window for steps in flight")
+    swa_evict_chunk: int = _opt(64, "free out-of-window SWA slots in chunks of this many")
+
+
+SCHEDULE_POLICIES = ("mixed", "prefill_first")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 2048  # token budget of one extend step (chunked prefill size)
-    max_context: int | None = None  # cap on prompt + output; None: the model's
+    max_running_requests: int = _opt(64, "requests decoded at once")
+    max_prefill_tokens: int = _opt(2048, "token budget of one step: prefill chunk size (mixed: decodes included)")
+    max_context: int | None = _opt(None, "max prompt + output tokens (default: the model's; 4096 on CPU)")
+    schedule_policy: str = _opt(
+        "mixed", "mixed: every step decodes all running requests and prefills under the rest of the budget; "
+        "prefill_first: a step prefills (no decode) while prompts wait", choices=SCHEDULE_POLICIES)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_body_bytes: int = 8 << 20
+    """The HTTP frontend's settings (every entry point takes the same flags, `swaserve.options`)."""
+
+    host: str = _opt("127.0.0.1", "address to bind (127.0.0.1: local only)")
+    port: int = _opt(8000, "port (0: any free port)")
+    api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` on /v1 routes (default: $SWASERVE_API_KEY)",
+                               env="SWASERVE_API_KEY")
+    served_model_name: str | None = _opt(None, "model name clients must use (default: the model's)")
+    max_body_bytes: int = _opt(8 << 20, "larger request bodies get a 413")
+    graceful_timeout: float = _opt(10.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    log_level: str = _opt("warning", "server log level", choices=("debug", "info", "warning", "error"))
+    access_log: bool = _opt(False, "log every request")
+    stream_interval: int = _opt(1, "tokens per SSE chunk (larger: fewer, bigger chunks; the last is sent at once)")
+    chat_template: str | None = _opt(None, "Jinja chat template FILE for models without one (or `gemma`: the "
+                                     "built-in Gemma turn format); chat without a template is an error")
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    attention_backend: str | None = None  # None: triton on CUDA, torch_native elsewhere
-    disable_cuda_graph: bool = False
-    enable_cpu_graph: bool = False
-    overlap_schedule: bool | None = None  # schedule step N+1 while N runs; None: on for CUDA
+    attention_backend: str | None = _opt(None, "attention backend (default: triton on CUDA, torch_native elsewhere)",
+                                         choices=("triton", "torch_native"))
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly on the GPU")
+    enable_cpu_graph: bool = _opt(False, "torch.compile the CPU decode step (~1.2x faster steps, ~100 s longer start)")
+    overlap_schedule: bool | None = _opt(
+        None, "schedule step N+1 while N runs (default: on for CUDA); --no-overlap-schedule waits for each step",
+        aliases=("--disable-overlap-schedule",))
 
 
-_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig)
+ENGINE_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig)
 
 
 def split_engine_options(options: dict[str, Any]) -> tuple[CacheConfig, SchedulerConfig, RunnerConfig]:
     """Distribute flat `LLM(**engine_options)` keywords over the config dataclasses by field name."""
     from dataclasses import fields
 
-    owned = {cls: {f.name for f in fields(cls)} for cls in _OPTION_OWNERS}
+    owned = {cls: {f.name for f in fields(cls)} for cls in ENGINE_OPTION_OWNERS}
     valid = sorted(set().union(*owned.values()))
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"unknown engine option(s) {unknown}; valid options: {', '.join(valid)}")
-    built = [cls(**{k: v for k, v in options.items() if k in owned[cls]}) for cls in _OPTION_OWNERS]
+    built = [cls(**{k: v for k, v in options.items() if k in owned[cls]}) for cls in ENGINE_OPTION_OWNERS]
     cache, sched, runner = built
     if sched.max_running_requests < 1:
         raise ValueError("max_running_requests must be >= 1")
     if sched.max_prefill_tokens < 1:
         raise ValueError("max_prefill_tokens must be >= 1")
+    if sched.schedule_policy not in SCHEDULE_POLICIES:
+        raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {sched.schedule_policy!r}")
     if cache.swa_evict_chunk < 1 or cache.swa_evict_margin < 0:
         raise ValueError("swa_evict_chunk must be >= 1 and swa_evict_margin >= 0")
     return cache, sched, runner  # type: ignore[return-value]

@@ -74,11 +74,14 @@ class Engine:
     """
 
     def __init__(self, model: str | LoadedModel | None = None, device: Any = None, dtype: Any = None,
-                 **engine_options: Any):
+                 chat_template: str | None = None, detokenize: bool = True, **engine_options: Any):
         """`model`: None (embedded Gemma 3 270M), a GGUF file or HF directory path, or an already
         built `LoadedModel` (benchmarks with random weights; its tokenizer may be None, and then
-        prompts must be token ids). `engine_options`: fields of the cache, scheduler and runner
-        configs (`swaserve.config`), e.g. `max_running_requests=128, overlap_schedule=False`."""
+        prompts must be token ids). `chat_template`: Jinja text replacing the model's (its turn-end
+        tokens stop generation). `detokenize=False`: outputs carry token ids only and stop strings
+        are the caller's business (the server's engine core: its frontend detokenizes).
+        `engine_options`: fields of the cache, scheduler and runner configs (`swaserve.config`),
+        e.g. `max_running_requests=128, overlap_schedule=False`."""
         from swaserve.loader import load_model
         from swaserve.runtime import build_runtime
 
@@ -91,6 +94,9 @@ class Engine:
             config = dataclasses.replace(config, max_context=min(cap, config.max_context))
         self.model_config: ModelConfig = config
         self.tokenizer = loaded.tokenizer
+        if chat_template is not None and self.tokenizer is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(chat_template)
+        self.detokenize = detokenize
         self.model_name = loaded.name
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
@@ -117,7 +123,9 @@ class Engine:
         self.scheduler.check_fits(len(ids), params.max_tokens)
         group = _Group(text, ids)
         for i in range(params.n):
-            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop) if self.tokenizer else None
+            detok = None
+            if self.tokenizer is not None and self.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
             group.reqs.append(Req(f"{request_id}#{i}", request_id, i, len(ids), list(ids), params, 0, self.eos_ids, detok))
         for r in group.reqs:
             self.scheduler.add(r)
@@ -156,7 +164,7 @@ class Engine:
         CPU, benchmarks/host_step.py; streaming needs them all)."""
         batch = self.scheduler.schedule()
         launched = self.launcher.launch(batch) if batch is not None else None
-        self.last_step = (batch.mode.value, len(batch.reqs), batch.num_tokens) if batch is not None else None
+        self.last_step = (batch.kind, len(batch.reqs), batch.num_tokens) if batch is not None else None
         if self.overlap:
             done, self._inflight = self._inflight, launched
         else:
@@ -200,6 +208,12 @@ class Engine:
             text = r.detok.text if r.detok is not None else ""
             comps.append(CompletionOutput(r.index, text, ids, lps, r.finish_reason))  # type: ignore[arg-type]
         return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished)
+
+    def counters(self) -> dict[str, int]:
+        """`memory_stats()` plus the token and retraction totals: the names /metrics exports."""
+        return {**self.memory_stats(), "prompt_tokens_total": self.stats.prompt_tokens_total,
+                "generation_tokens_total": self.stats.generation_tokens_total,
+                "retractions_total": self.stats.retractions_total}
 
     def memory_stats(self) -> dict[str, int]:
         alloc = self.allocator
@@ -266,6 +280,11 @@ class LLM:
 
     def memory_stats(self) -> dict[str, int]:
         return self.engine.memory_stats()
+
+    def stats(self) -> dict[str, int]:
+        """Every engine counter in one dict: a superset of `memory_stats()`, with the names the
+        server's /metrics exports (swaserve_kv_used_tokens, swaserve_generation_tokens_total, ...)."""
+        return self.engine.counters()
 
 
 def _normalise_prompts(prompts: Any) -> list[str | list[int]]:

@@ -16,10 +16,12 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _CACHE_VERSION = "1"  # bump when the cached files' meaning changes
-_TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")  # stop a turn if the template uses them
+# Stop a turn if the template uses them (Gemma 4 templates end turns with "<turn|>").
+_TURN_ENDS = ("<end_of_turn>", "<turn|>", "<|eot_id|>", "<|im_end|>", "<|end|>")
 
 # Gemma's chat format (as in Gemma 3's own template): a system message is folded into the first user
-# turn, "assistant" is spelled "model", and the template itself writes <bos>.
+# turn, "assistant" is spelled "model", and the template itself writes <bos>. Used only when asked for
+# (`--chat-template gemma`): a base model without a template was never trained on any chat format.
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
@@ -34,6 +36,12 @@ GEMMA_CHAT_TEMPLATE = (
     "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+NO_CHAT_TEMPLATE = (
+    "this model has no chat template (a base model): send a plain prompt for completion, or give a "
+    "template with --chat-template FILE (`--chat-template gemma`: the built-in Gemma turn format)"
 )
 
 
@@ -75,9 +83,11 @@ class Tokenizer:
         self.bos_token_id: int | None = hf.bos_token_id
         self.vocab_size: int = len(hf)
         eos = [hf.eos_token_id] if hf.eos_token_id is not None else []
-        template = chat_template or ""
-        turn_ends = [i for t in _TURN_ENDS if t in template and (i := _token_id(hf, t)) is not None]
+        turn_ends = self._turn_end_ids(chat_template)
         self.eos_token_ids: list[int] = list(dict.fromkeys([*eos, *extra_eos_ids, *turn_ends]))
+
+    def _turn_end_ids(self, template: str | None) -> list[int]:
+        return [i for t in _TURN_ENDS if t in (template or "") and (i := _token_id(self.hf, t)) is not None]
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -97,7 +107,7 @@ class Tokenizer:
             ids = json.loads(gen.read_text()).get("eos_token_id")
             extra = [ids] if isinstance(ids, int) else list(ids or [])
         template = hf.chat_template if isinstance(hf.chat_template, str) else None
-        return cls(hf, template or _builtin_template(hf), extra)
+        return cls(hf, template, extra)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -117,8 +127,22 @@ class Tokenizer:
         info = json.loads((entry / "swaserve.json").read_text())
         with _quiet_transformers():
             hf = PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"), **info["hf_kwargs"])
-        template = info["chat_template"] or _builtin_template(hf)
-        return cls(hf, template, info["extra_eos_ids"])
+        return cls(hf, info["chat_template"], info["extra_eos_ids"])
+
+    @classmethod
+    def load(cls, model: str | None) -> Tokenizer:
+        """The tokenizer of what `model` names (None: the embedded model), without loading weights."""
+        from swaserve.loader.resolve import resolve_model
+
+        resolved = resolve_model(model)
+        return cls.from_gguf(resolved.path) if resolved.kind == "gguf" else cls.from_hf_dir(resolved.path)
+
+    def with_chat_template(self, template: str | None) -> Tokenizer:
+        """This tokenizer with another chat template (its turn-end tokens join the stop ids)."""
+        if template is None:
+            return self
+        base = [i for i in self.eos_token_ids if i not in self._turn_end_ids(self.chat_template)]
+        return Tokenizer(self.hf, template, base)
 
     # -- use -------------------------------------------------------------------------------------
 
@@ -145,7 +169,7 @@ class Tokenizer:
         """Render a conversation to the prompt text (which may already start with <bos>; `encode`
         does not add a second one). Content may be a str or a list of {"type": "text"} parts."""
         if self.chat_template is None:
-            raise ValueError("this model has no chat template; send a plain prompt instead")
+            raise ValueError(NO_CHAT_TEMPLATE)
         conversation = [_check_message(m, i) for i, m in enumerate(_check_list(messages))]
         from jinja2 import TemplateError
 
@@ -167,9 +191,16 @@ def _token_id(hf: PreTrainedTokenizerBase, token: str) -> int | None:
     return hf.get_vocab().get(token)  # a slow (sentencepiece) tokenizer from an HF directory
 
 
-def _builtin_template(hf: PreTrainedTokenizerBase) -> str | None:
-    # Only Gemma vocabularies have the turn markers the built-in template writes.
-    return GEMMA_CHAT_TEMPLATE if _token_id(hf, "<start_of_turn>") is not None else None
+def load_chat_template(spec: str | None) -> str | None:
+    """`--chat-template`: a Jinja file's text, or `gemma` for the built-in Gemma turn format."""
+    if spec is None:
+        return None
+    if spec == "gemma":
+        return GEMMA_CHAT_TEMPLATE
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat template file not found: {path}")
+    return path.read_text()
 
 
 def _check_list(messages: Any) -> list[Any]:

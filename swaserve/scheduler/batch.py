@@ -25,6 +25,12 @@ class ScheduleBatch:
     extend_lens: list[int]
     out_cache_loc: torch.Tensor  # [num_tokens] int64, cpu: full-pool slots
     sample: list[bool]
+    num_decode: int = 0  # extend batches: the first num_decode rows are decodes (one new token each)
+
+    @property
+    def kind(self) -> str:
+        """"decode", "extend" (prefill chunks only) or "mixed" (decode rows first, then prefill chunks)."""
+        return "mixed" if self.num_decode and self.mode is ForwardMode.EXTEND else self.mode.value
 
     @property
     def num_tokens(self) -> int:

@@ -189,6 +189,8 @@ class EngineClient:
         if sub.messages is not None:
             try:
                 prompt = tok.apply_chat_template(sub.messages, add_generation_prompt=True)
+            except ValueError as e:  # no template (a base model), or the template rejected the messages
+                raise APIError(400, f"messages: {e}", param="messages") from e
             except Exception as e:  # template errors (jinja raise_exception) are about the input
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt or [])

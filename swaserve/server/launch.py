@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import math
-import os
 import signal
 import socket
 import threading
@@ -103,67 +101,33 @@ def run_server(
         app.state.engine_client.stop(timeout=5.0)
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """The server's flags (the engine's own flags are the CLI's business)."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
-    g.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    g.add_argument("--api-key", default=os.environ.get("SWASERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $SWASERVE_API_KEY)")
-    g.add_argument("--served-model-name", default=None, help="model name clients must use (default: the model's)")
-    g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get a 413")
-    g.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT,
-                   help="seconds in-flight requests get to finish on shutdown")
-    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--access-log", action="store_true", help="log every request")
+def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
+    """`swaserve serve` / `python -m swaserve.server`: build the engine (unless given) from the flags of
+    `swaserve.options.add_serve_flags` and serve until SIGINT/SIGTERM; returns 0."""
+    from swaserve.options import engine_options, server_config
+    from swaserve.tokenizer import load_chat_template
 
-
-def serve_main(args: argparse.Namespace, engine_options: dict[str, Any] | None = None, engine: Any = None) -> int:
-    """`swaserve serve`: build the engine (unless given) and serve until SIGINT/SIGTERM; returns 0.
-
-    Reads `args.model`, `args.device`, `args.dtype`, and the server flags `host`, `port`, `api_key`,
-    `served_model_name`, `max_body_bytes` (or `max_body_mb`), `graceful_timeout`, `log_level`,
-    `access_log`; any that are missing take their defaults. `engine_options` are extra Engine kwargs.
-    """
+    cfg = server_config(args)
     if engine is None:
         from swaserve.engine import Engine
 
         engine = Engine(
             getattr(args, "model", None), device=getattr(args, "device", None),
-            dtype=getattr(args, "dtype", None), **(engine_options or {}),
+            dtype=getattr(args, "dtype", None), chat_template=load_chat_template(cfg.chat_template),
+            **engine_options(args),
         )
-    max_body = getattr(args, "max_body_bytes", None)
-    if max_body is None and getattr(args, "max_body_mb", None) is not None:
-        max_body = int(args.max_body_mb) << 20
     run_server(
-        engine, host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 8000),
-        api_key=getattr(args, "api_key", None), served_model_name=getattr(args, "served_model_name", None),
-        max_body_bytes=max_body,
-        graceful_timeout=getattr(args, "graceful_timeout", DEFAULT_GRACEFUL_TIMEOUT),
-        log_level=getattr(args, "log_level", "warning"), access_log=getattr(args, "access_log", False),
+        engine, host=cfg.host, port=cfg.port, api_key=cfg.api_key, served_model_name=cfg.served_model_name,
+        max_body_bytes=cfg.max_body_bytes, graceful_timeout=cfg.graceful_timeout, log_level=cfg.log_level,
+        access_log=cfg.access_log,
     )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m swaserve.server`: the server alone, for benchmarks and scripts."""
+    """`python -m swaserve.server`: the server alone (the flags of `swaserve serve`)."""
+    from swaserve.options import add_serve_flags
+
     parser = argparse.ArgumentParser(prog="python -m swaserve.server", description="Run the OpenAI-compatible server.")
-    parser.add_argument("--model", default=None, help="model path or name (default: the embedded model)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra Engine keyword argument (value parsed as a Python literal)")
-    add_server_args(parser)
-    args = parser.parse_args(argv)
-    return serve_main(args, dict(_parse_option(o) for o in args.engine_option))
-
-
-def _parse_option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--engine-option expects KEY=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
+    add_serve_flags(parser)
+    return serve_main(parser.parse_args(argv))
