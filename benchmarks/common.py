@@ -1,4 +1,4 @@
-"""Shared benchmark pieces: random-weight models in real Gemma 3 shapes, the measured copy
+"""Shared benchmark pieces: random-weight models in real Gemma 3 and Gemma 4 shapes, the measured copy
 bandwidth, and the decode-step byte count that defines the roofline."""
 
 from __future__ import annotations
@@ -21,6 +21,38 @@ GEMMA3_SHAPES = {
 }
 
 
+# Gemma-4-26B-A4B's published text config: 5 sliding (8 K/V heads x 256) : 1 full (2 K/V heads x 512,
+# K = V) layers, window 1024, a 128-expert top-8 block beside a small dense MLP in every layer.
+GEMMA4_SHAPES = {
+    "26b-a4b": dict(hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+                    head_dim=256, global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,
+                    intermediate_size=2112, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                    moe_intermediate_size=704, sliding_window=1024, hidden_size_per_layer_input=0,
+                    final_logit_softcapping=30.0, eos_token_id=[1, 106]),
+}
+
+
+def gemma4_hf_config(shape: str, max_positions: int = 32768, num_layers: int | None = None):
+    """`num_layers` cuts the stack (keeping the 5:1 pattern and a full last layer) for HF parity runs."""
+    from transformers import Gemma4TextConfig
+
+    s = dict(GEMMA4_SHAPES[shape])
+    n = num_layers or s.pop("num_hidden_layers")
+    s.pop("num_hidden_layers", None)
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
+    cfg = Gemma4TextConfig(vocab_size=262144, num_hidden_layers=n, layer_types=layer_types,
+                           max_position_embeddings=max_positions, **s)
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    return cfg
+
+
+def hf_config(shape: str, max_positions: int = 32768):
+    """`1b`, `4b`, ... (Gemma 3) or `gemma4-26b-a4b`."""
+    if shape.startswith("gemma4-"):
+        return gemma4_hf_config(shape.removeprefix("gemma4-"), max_positions)
+    return gemma3_hf_config(shape, max_positions)
+
+
 def gemma3_hf_config(shape: str, max_positions: int = 32768):
     from transformers import Gemma3TextConfig
 
@@ -34,21 +66,33 @@ def gemma3_hf_config(shape: str, max_positions: int = 32768):
 
 @torch.no_grad()
 def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0, max_positions: int = 32768):
-    """A LoadedModel of Gemma 3 `shape` with random weights (no tokenizer: prompts are token ids)."""
+    """A LoadedModel of `shape` (see `hf_config`) with random weights (no tokenizer: prompts are token ids)."""
     from swaserve.config import ModelConfig
     from swaserve.loader import LoadedModel
+    from swaserve.loader.dummy import init_dummy_weights
     from swaserve.runner.model_runner import build_model
 
-    hf = gemma3_hf_config(shape, max_positions)
+    hf = hf_config(shape, max_positions)
     config = ModelConfig.from_hf(hf)
     model = build_model(config, dtype, device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.ndim >= 2:
-            p.normal_(0.0, 0.02, generator=g)
-        else:
-            p.normal_(0.0, 0.05, generator=g)  # Gemma norms are (1 + w)
-    return LoadedModel(config, model, None, f"random-gemma3-{shape}")
+    init_dummy_weights(model, seed)
+    name = shape if shape.startswith("gemma4-") else f"gemma3-{shape}"
+    return LoadedModel(config, model, None, f"random-{name}")
+
+
+def active_param_bytes(loaded, bs: int) -> int:
+    """Weight bytes one decode step of `bs` tokens reads: every dense weight once, and of each MoE
+    layer's experts only those some token routes to: E * (1 - (1 - k/E)^bs) of them in expectation
+    for uniform routing (random weights route near-uniformly)."""
+    total = param_bytes(loaded.model)
+    hf = loaded.config.hf_config
+    experts = [m for name, m in loaded.model.named_modules() if name.endswith(".experts")]
+    if not experts or not getattr(hf, "num_experts", None):
+        return total
+    E, k = hf.num_experts, hf.top_k_experts
+    hit = E * (1 - (1 - k / E) ** bs)
+    expert_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
+    return int(total - expert_bytes + expert_bytes * hit / E)
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -57,13 +101,13 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 def decode_step_bytes(loaded, bs: int, ctx: int, kv_dtype: torch.dtype) -> int:
     """Fewest bytes one decode step must read: every weight once (the tied embedding counts once,
-    as the LM head reads all of it) plus each request's K/V — full layers the whole context, SWA
+    as the LM head reads all of it; of MoE experts only the active ones) plus each request's K/V — full layers the whole context, SWA
     layers the last min(ctx, W) keys."""
     cfg = loaded.config
     kv = cfg.full_group.bytes_per_token(kv_dtype) * ctx
     if cfg.sliding_window:
         kv += cfg.swa_group.bytes_per_token(kv_dtype) * min(ctx, cfg.sliding_window)
-    return param_bytes(loaded.model) + bs * kv
+    return active_param_bytes(loaded, bs) + bs * kv
 
 
 def graph_us(fn, calls: int, replays: int = 3) -> float:

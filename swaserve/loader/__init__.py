@@ -25,11 +25,19 @@ class LoadedModel:
     name: str  # served model name
 
 
-def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_context: int | None = None,
+               load_format: str = "auto") -> LoadedModel:
+    """`load_format="dummy"`: the model's shapes with random weights (`loader.dummy`); an HF
+    directory then needs only config.json (and tokenizer files, for text prompts)."""
     from swaserve.loader.resolve import resolve_model
     from swaserve.runner.model_runner import build_model
     from swaserve.tokenizer import Tokenizer
 
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     resolved = resolve_model(model)
     path = Path(resolved.path)
     if resolved.kind == "gguf":
@@ -43,10 +51,16 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_
         from swaserve.loader.safetensors import iter_safetensors
 
         hf_config = load_hf_config(path)
-        tokenizer = Tokenizer.from_hf_dir(path)
-        weights = iter_safetensors(path)
+        has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+        tokenizer = Tokenizer.from_hf_dir(path) if load_format == "auto" or has_tokenizer else None
+        weights = iter_safetensors(path) if load_format == "auto" else iter(())
     config = ModelConfig.from_hf(hf_config, max_context=max_context)
     module = build_model(config, dtype, device)
-    module.load_weights(weights)
+    if load_format == "dummy":
+        from swaserve.loader.dummy import init_dummy_weights
+
+        init_dummy_weights(module)
+    else:
+        module.load_weights(weights)
     name = "gemma-3-270m" if model is None else (path.stem if resolved.kind == "gguf" else path.name)
     return LoadedModel(config, module, tokenizer, name)

@@ -7,16 +7,12 @@ fp32: identical tokens and logits within 1e-3; bf16: parts from HF only at near-
 from __future__ import annotations
 
 import copy
-import gc
 
+import hf_parity
 import pytest
 import torch
 import transformers as tf
-from engine_driver import count_replays, forward, make_req, record
-
-from swaserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
-from swaserve.runner.model_runner import build_model
-from swaserve.runtime import build_runtime
+from engine_driver import record
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -26,6 +22,7 @@ SHAPE = {"vocab_size": 262144, "hidden_size": 1152, "num_hidden_layers": 26, "nu
 PROMPT_LENS = (100, 511, 512, 513, 700, 1500)  # short, at the window edge, and well past it
 STEPS = 48
 MAX_CONTEXT = 2048
+SETUP = hf_parity.Setup(steps=STEPS, max_context=MAX_CONTEXT, prefill_chunk=1024)
 # fp32: both sides compute in true fp32 (no TF32 by default), so logits agree to ~1e-5 and greedy
 # tokens must be identical. A flip is excused only at a near-tie: HF's own top-1 and our pick less
 # than 2 * FP32_ATOL apart (then no implementation is wrong); the prompt is compared up to there.
@@ -64,67 +61,12 @@ def prompts() -> list[list[int]]:
     return [torch.randint(10, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """HF `generate` alone on one prompt, greedy, no EOS stop: logits `[STEPS, vocab]` float32, tokens."""
-    ids = torch.tensor([prompt], device=DEV)
-    gen = tf.GenerationConfig(max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-    return torch.cat(out.logits).float(), out.sequences[0, len(prompt):].tolist()
-
-
-def ours_greedy(hf_model, dtype: torch.dtype, prompts: list[list[int]]) -> tuple[list, list, list]:
-    """All prompts batched through our scheduler: per prompt, logits `[STEPS, vocab]` and tokens."""
-    config = ModelConfig.from_hf(hf_model.config, max_context=MAX_CONTEXT)
-    model = build_model(config, dtype, DEV)
-    model.load_weights(hf_model.state_dict().items())
-    cache = CacheConfig(kv_cache_bytes=512 << 20)
+def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]]) -> list[dict]:
     # 1024-token prefill chunks: the 512/513/700/1500-token prompts are split, so prefix lists cross
     # the window; decode runs 6 requests in the captured size 8 (two padded rows).
-    sched = SchedulerConfig(max_running_requests=8, max_prefill_tokens=1024)
-    runner = RunnerConfig(attention_backend="triton")
-    rt = build_runtime(config, model, torch.device(DEV), dtype, cache, sched, runner)
-    assert type(rt.runner.graph_runner).__name__ == "CudaGraphRunner"
-    replays = count_replays(rt)
-    reqs = [make_req(f"p{i}", p, STEPS) for i, p in enumerate(prompts)]
-    for r in reqs:
-        rt.scheduler.add(r)
-    logits: dict[str, list[torch.Tensor]] = {r.rid: [] for r in reqs}
-    while rt.scheduler.has_unfinished():
-        batch, lg = forward(rt, DEV)
-        for j, i in enumerate(batch.sample_indices()):
-            logits[batch.reqs[i].rid].append(lg[j])
-        rt.scheduler.process_output(batch, lg.argmax(-1).tolist())
-    assert rt.scheduler.retractions_total == 0
-    assert replays and all(raw == 6 and bs == 8 for raw, bs in replays), replays
-    out = [torch.stack(logits[r.rid]) for r in reqs], [r.output_ids for r in reqs], replays
-    del rt, model
-    gc.collect()  # the replay counter's closure makes a cycle that holds the runner (and weights)
-    torch.cuda.empty_cache()
-    return out
-
-
-def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]]) -> list[dict]:
-    ref = [hf_greedy(hf_model, p) for p in prompts]
-    our_logits, our_tokens, replays = ours_greedy(hf_model, dtype, prompts)
-    rows = []
-    for p, (hl, ht), ol, ot in zip(prompts, ref, our_logits, our_tokens):
-        assert ol.shape == hl.shape and len(ot) == STEPS
-        assert torch.isfinite(ol).all(), f"prompt of {len(p)} tokens: non-finite logits"
-        d = next((s for s in range(STEPS) if ot[s] != ht[s]), None)
-        upto = STEPS if d is None else d + 1  # logits up to the divergence share one history
-        o, h = ol[:upto], hl[:upto]
-        row = {"prompt_len": len(p), "first_divergence": d,
-               "max_logit_diff": (o - h).abs().max().item(),
-               "rel_logit_rms": ((o - h).norm() / (h - h.mean()).norm()).item(),
-               "logit_std": hl[0].std().item(), "unique_tokens": len(set(ht))}
-        if d is not None:
-            row["hf_gap_at_divergence"] = (hl[d, ht[d]] - hl[d, ot[d]]).item()
-            row["our_gap_at_divergence"] = (ol[d, ot[d]] - ol[d, ht[d]]).item()
-        rows.append(row)
+    rows, replays = hf_parity.compare(hf_model, dtype, prompts, SETUP)
     record({"test": "gemma3_1b_vs_hf", "dtype": str(dtype).removeprefix("torch."), "steps": STEPS,
-            "decode_replays": len(replays), "prompts": rows})
+            "decode_replays": replays, "prompts": rows})
     return rows
 
 

@@ -1,0 +1,82 @@
+"""Gemma-4-26B-A4B's real layer shapes (hidden 2816; sliding layers 16 x 8 heads of 256, full layers
+2 K = V heads of 512; window 1024; 128 experts top-8 beside a dense MLP; vocab 262144) cut to 6 layers
+(5 sliding : 1 full), random weights, vs HF transformers on CUDA: prompts around and past the window
+batched through the scheduler (chunked prefill, triton attention, fused MoE, CUDA-graph decode with
+padded rows), greedy, vs HF `generate` per prompt. fp32: logits within 2e-3 and identical tokens
+(near-ties excused); bf16: parts from HF only at near-ties.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import hf_parity
+import pytest
+import torch
+import transformers as tf
+from engine_driver import record
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from common import gemma4_hf_config  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+PROMPT_LENS = (300, 1023, 1024, 1025, 2100)
+STEPS = 24
+SETUP = hf_parity.Setup(steps=STEPS, max_context=4096, prefill_chunk=1024, kv_cache_bytes=2 << 30)
+FP32_ATOL = 2e-3  # 6 layers of 2816-wide sums with a 30 soft-cap: ~1e-4 typical
+BF16_GAP = 0.5  # see test_gemma3_1b_vs_hf.py: bf16 may part from HF only where HF's top two are close
+
+
+@pytest.fixture(scope="module")
+def hf_fp32():
+    cfg = gemma4_hf_config("26b-a4b", max_positions=4096, num_layers=6)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = tf.Gemma4ForCausalLM(cfg).eval()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    with torch.no_grad():  # HF inits norms and output scalars at 1: jitter them so their loading matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g, device=DEV))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(0.9)
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(10, 262144, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]]) -> list[dict]:
+    rows, replays = hf_parity.compare(hf_model, dtype, prompts, SETUP)
+    record({"test": "gemma4_26b_a4b_6layer_vs_hf", "dtype": str(dtype).removeprefix("torch."), "steps": STEPS,
+            "decode_replays": replays, "prompts": rows})
+    return rows
+
+
+def test_fp32_tokens_identical_to_hf(hf_fp32, prompts):
+    for row in compare(hf_fp32, torch.float32, prompts):
+        d = row["first_divergence"]
+        assert row["max_logit_diff"] < FP32_ATOL, f"fp32 logits differ from HF: {row}"
+        near_tie = d is not None and row["hf_gap_at_divergence"] < 2 * FP32_ATOL
+        assert d is None or near_tie, f"fp32 greedy tokens differ from HF: {row}"
+        assert row["unique_tokens"] > 2, f"degenerate reference: {row}"
+
+
+def test_bf16_diverges_only_at_near_ties(hf_fp32, prompts):
+    hf_bf16 = copy.deepcopy(hf_fp32).to(torch.bfloat16)
+    rows = compare(hf_bf16, torch.bfloat16, prompts)
+    del hf_bf16
+    torch.cuda.empty_cache()
+    for row in rows:
+        assert row["first_divergence"] is None or row["hf_gap_at_divergence"] < BF16_GAP, (
+            f"bf16 parted from HF at a clear HF choice (not a near-tie): {row}")
