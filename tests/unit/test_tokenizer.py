@@ -204,6 +204,22 @@ def test_from_hf_dir_uses_its_template_and_generation_config(tmp_path: Path) -> 
         Tokenizer.from_hf_dir(tmp_path / "missing")
 
 
+def test_gemma4_directory_template_ends_turns(tmp_path: Path) -> None:
+    # Gemma 4 checkpoints ship their template as chat_template.jinja and end turns with <turn|>.
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|turn>": 4, "<turn|>": 5, "user": 6, "model": 7, "hi": 8}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                 pad_token="<pad>", additional_special_tokens=["<|turn>", "<turn|>"])  # fmt: skip
+    hf.save_pretrained(str(tmp_path))
+    template = ("{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<bos><|turn>user\nhi<turn|>\n<|turn>model\n"
+    assert 5 in tok.eos_token_ids and 1 in tok.eos_token_ids
+
+
 def test_gguf_chat_template_and_eot_are_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SWASERVE_CACHE", str(tmp_path / "cache"))
     tokens = ["<unk>", "<s>", "</s>", "<eot>", "\u2581", "h", "i", "\u2581h", "hi", "\u2581hi"]
