@@ -62,8 +62,6 @@ class SelfAttention(nn.Module):
         self.v_norm = RMSNorm(head_dim, **v_norm, scale=False) if v_norm is not None and not kv_shared else None
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None  # [num_heads]
         self.rotary = rotary
-        # The fused kernel handles the plain layout (q | k | v, no V norm); Gemma 4's forms run unfused.
-        self._fusable = not (kv_shared or k_eq_v or v_norm is not None)
         self.spec = AttentionSpec(
             layer_id=layer_id,
             num_heads=num_heads,
@@ -82,7 +80,8 @@ class SelfAttention(nn.Module):
         backend = batch.attn_backend
         assert backend is not None, "ModelRunner sets batch.attn_backend before the model runs"
         qkv = self.qkv_proj(hidden)
-        fused = backend.fused_kv_store and self._fusable
+        # Every form fuses (Gemma 4's included); the torch-native oracle keeps the unfused path.
+        fused = backend.fused_kv_store
         if fused:  # norm + rotary + K/V store in one launch, in place on qkv
             self._norm_rotate_store(qkv, batch)
         parts = qkv.split(self.qkv_proj.out_sizes, dim=-1)
@@ -93,6 +92,8 @@ class SelfAttention(nn.Module):
             v = k if self.k_eq_v else parts[2].view(n, self.num_kv_heads, self.head_dim)
         if not fused:
             q, k, v = self._norm_rotate(q, k, v, batch)
+        elif self.k_eq_v:
+            v = None  # normed raw k, which the kernel only stored: the backend reads V back from the pool
         # A KV-shared layer's K/V are in the pool already: its source layer stored them this step.
         out = backend.forward(q, k, v, self.spec, batch, self.sinks, kv_stored=fused or self.kv_shared)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), partial_sums)
@@ -111,16 +112,21 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     def _norm_rotate_store(self, qkv: torch.Tensor, batch: ForwardBatch) -> None:
+        """qkv `[num_tokens, sum(out_sizes)]`: q, k (and a normed V) rewritten in place, K/V stored;
+        a KV-shared layer rewrites q only (its source layer stored the K/V)."""
         from swaserve.kernels.qk_norm_rope import qk_norm_rope_store
 
         assert batch.attn_backend is not None
         cos, sin = self.rotary.cos_sin(batch.positions, batch.scratch)
-        k_buf, v_buf, locs = batch.attn_backend.kv_target(self.spec, batch)
-        qn, kn = self.q_norm, self.k_norm
+        k_buf = v_buf = locs = None
+        if not self.kv_shared:
+            k_buf, v_buf, locs = batch.attn_backend.kv_target(self.spec, batch)
+        qn, kn, vn = self.q_norm, self.k_norm, self.v_norm
         qk_norm_rope_store(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
             qn.weight if qn is not None else None, kn.weight if kn is not None else None,
             qn.eps if qn is not None else 0.0, k_buf, v_buf, locs,
             unit_offset=qn.unit_offset if qn is not None else False,
             weight_fp32=qn.fp32_weight if qn is not None else False,
+            v_norm=vn is not None, v_from_k=self.k_eq_v, v_eps=vn.eps if vn is not None else None,
         )

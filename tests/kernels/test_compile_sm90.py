@@ -35,7 +35,8 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "skinny_gemm[bf16]", "skinny_gated_gemm[fp32, K=1152]",
             "decode_stage1[d512 g8, direct]", "decode_stage1[d512 g8, split]", "decode_stage2[d512]",
             "decode_stage1[d256 g2, direct]", "extend[d256 g2, bf16]", "extend[d512 g8, bf16]",
-            "extend[d512 g8, fp32]"} <= names
+            "extend[d512 g8, fp32]", "qk_norm_rope_store[d512 k_eq_v]", "qk_norm_rope_store[d256 v_norm]",
+            "qk_norm_rope_store[q only]"} <= names
     for r in rows:
         assert r["fits_h100"], r
         if r["kernel"].startswith("extend"):  # a prefill kernel: no PDL form

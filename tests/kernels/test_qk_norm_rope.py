@@ -1,5 +1,6 @@
 """qk_norm_rope_store (per-head q/k norm + rotary in place + K/V pool write) against the unfused torch
-forms: RMSNorm per head, `_rotate`, and a plain index assignment into the pool."""
+forms: RMSNorm per head, `_rotate`, and a plain index assignment into the pool; Gemma 4's forms (V norm,
+K = V, q only) also through SelfAttention's fused path against its unfused one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ triton = pytest.importorskip("triton")
 
 from swaserve.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from swaserve.layers.norm import RMSNorm  # noqa: E402
-from swaserve.layers.rotary import RotaryEmbedding, _rotate  # noqa: E402
+from swaserve.layers.rotary import RotaryEmbedding, _proportional, _rotate  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton 3.9's CPU interpreter mishandles bf16 loads in these kernels (NaN); bf16 runs natively on
@@ -140,3 +141,168 @@ def test_qk_norm_rope_store_empty(device):
     qk_norm_rope_store(qkv, 1, 1, d, cos, cos, None, None, 1e-6, k_buf, k_buf.clone(),
                        torch.zeros(0, dtype=torch.int64, device=device))
     assert not k_buf.any()
+
+
+# ---- Gemma 4's forms, against the layer's own unfused path (`SelfAttention._norm_rotate`) ----------
+
+GEMMA4_FORMS = ["v_norm", "k_eq_v", "kv_shared"]
+
+
+def _gemma4_attention(form, hq, hk, d, dtype, device, g, hidden=32):
+    """A Gemma 4 attention layer (fp32-weight q/k norms, weightless V norm, proportional RoPE) with
+    random weights."""
+    from swaserve.layers.attention import SelfAttention
+    from swaserve.layers.rotary import rope_from_config
+
+    hf = type("HF", (), {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e6,
+                                             "partial_rotary_factor": 0.25}})()
+    attn = SelfAttention(layer_id=0, hidden_size=hidden, num_heads=hq, num_kv_heads=hk, head_dim=d,
+                         rotary=rope_from_config(hf, d), scaling=1.0, qk_norm={"eps": 1e-6, "fp32_weight": True},
+                         v_norm={"eps": 0.05}, k_eq_v=form == "k_eq_v", kv_shared=form == "kv_shared")
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else hidden**-0.5))
+    return attn.to(device, dtype)
+
+
+class _Backend:
+    """Records what SelfAttention hands the backend; stores K/V itself when asked (unfused)."""
+
+    def __init__(self, fused: bool, k_buf, v_buf, locs):
+        self.fused_kv_store = fused
+        self.k_buf, self.v_buf, self.locs = k_buf, v_buf, locs
+
+    def kv_target(self, spec, batch):
+        return self.k_buf, self.v_buf, self.locs
+
+    def forward(self, q, k, v, spec, batch, sinks=None, kv_stored=False):
+        self.seen = {"q": q.clone(), "k": None if k is None else k.clone(), "v": None if v is None else v.clone(),
+                     "kv_stored": kv_stored}
+        if not kv_stored:  # as store_kv: negative slots skipped
+            ok = self.locs >= 0
+            rows = self.locs[ok].long()
+            self.k_buf[rows], self.v_buf[rows] = k[ok].to(self.k_buf.dtype), v[ok].to(self.v_buf.dtype)
+        return torch.zeros(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=q.dtype, device=q.device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hk, d", [(4, 2, 256), (4, 1, 512), (8, 2, 16)])
+@pytest.mark.parametrize("form", GEMMA4_FORMS)
+def test_gemma4_forms_fused_match_unfused_layer(device, seed, dtype, hq, hk, d, form):
+    """SelfAttention's fused path (one `qk_norm_rope_store` launch) against its unfused path on the
+    same inputs: q handed to attention, the pool's K/V, and any k/v handed over with the K/V already
+    stored equal what the unfused path computed (the extend kernel reads them as the new tokens' K/V)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    attn = _gemma4_attention(form, hq, hk, d, dtype, device, g)
+    T = 6
+    hidden = (torch.randn(T, 32, generator=g) * 3).to(device, dtype)
+    positions = torch.randint(0, 8192, (T,), generator=g).to(device)
+    slots = torch.randperm(SLOTS - 1, generator=g)[:T] + 1
+    slots[2] = -1  # skipped
+    seen = {}
+    pools = {}
+    for fused in (False, True):
+        k_buf, v_buf = _pool(hk, d, device, dtype)
+        backend = _Backend(fused, k_buf, v_buf, slots.to(device))
+        batch = SimpleNamespace(attn_backend=backend, positions=positions, scratch={})
+        attn(hidden, batch)
+        seen[fused], pools[fused] = backend.seen, (k_buf.cpu(), v_buf.cpu())
+    ref, got = seen[False], seen[True]
+    assert got["kv_stored"], "the fused path stored the K/V (or has none to store)"
+    tol = _tol(dtype)
+    torch.testing.assert_close(got["q"], ref["q"], **tol, msg=lambda m: f"q, seed={seed}: {m}")
+    for name in ("k", "v"):
+        if form == "kv_shared":
+            assert got[name] is None and ref[name] is None
+        elif got[name] is not None:
+            torch.testing.assert_close(got[name], ref[name], **tol, msg=lambda m, n=name: f"{n}, seed={seed}: {m}")
+    if form == "k_eq_v":
+        assert got["v"] is None, "k_eq_v's V exists only in the pool: the backend must read it back"
+    # NaN / -7 poison on both sides: unwritten slots compare equal, skipped tokens leave theirs.
+    for buf_ref, buf_got, name in zip(pools[False], pools[True], ("k pool", "v pool")):
+        torch.testing.assert_close(buf_got, buf_ref, **tol, equal_nan=True,
+                                   msg=lambda m, n=name: f"{n} seed={seed}: {m}")
+    if form == "kv_shared":
+        k_pool, v_pool = pools[True]
+        assert torch.isnan(k_pool).all() and (v_pool == -7.0).all(), "a KV-shared layer stores nothing"
+
+
+def _gemma4_inputs(seed, device, dtype, hq, hk, d, v_from_k, T=5):
+    """qkv (strided rows), proportional-RoPE cos/sin, fp32-weight q/k norms, a weightless V norm."""
+    g = torch.Generator().manual_seed(seed)
+    nkv = hk if v_from_k else 2 * hk
+    qkv = (torch.randn(T, (hq + nkv) * d + 8, generator=g) * 2).to(device, dtype)[:, : (hq + nkv) * d]
+    rope = RotaryEmbedding(_proportional({"partial_rotary_factor": 0.25}, 1e6, d))
+    cos, sin = rope.cos_sin(torch.randint(0, 8192, (T,), generator=g).to(device))
+    norms = [RMSNorm(d, eps=1e-6, fp32_weight=True) for _ in range(2)]
+    for m in norms:
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(d, generator=g) * 0.3)
+    return qkv, cos, sin, [m.to(device, dtype) for m in norms], RMSNorm(d, eps=0.1, scale=False), g
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hk, d", [(4, 2, 256), (2, 1, 512), (4, 2, 16)])
+@pytest.mark.parametrize("v_from_k", [False, True])
+@pytest.mark.parametrize("v_norm", [True, False])
+def test_qk_norm_rope_store_v_forms(device, seed, dtype, hq, hk, d, v_from_k, v_norm):
+    """`v_norm` and `v_from_k` against RMSNorm (fp32 weight) + `_rotate` + index assignment, with a
+    full-to-SWA loc map: V is the weightless RMS norm (own eps) of v, or of the raw k before its norm."""
+    qkv, cos, sin, (qn, kn), vn, g = _gemma4_inputs(seed, device, dtype, hq, hk, d, v_from_k)
+    T = qkv.shape[0]
+    q, k = qkv[:, : hq * d].reshape(T, hq, d), qkv[:, hq * d : (hq + hk) * d].reshape(T, hk, d)
+    v = k if v_from_k else qkv[:, (hq + hk) * d :].reshape(T, hk, d)
+    v_ref = vn(v) if v_norm else v.clone()
+    c, s = cos[:, None].to(dtype), sin[:, None].to(dtype)
+    q_ref, k_ref = _rotate(qn(q), c, s), _rotate(kn(k), c, s)
+    f2s = torch.zeros(50, dtype=torch.int32)
+    f2s[-1] = -1
+    full_locs = torch.randperm(48, generator=g)[:T] + 1
+    swa = torch.randperm(SLOTS - 1, generator=g)[:T].int() + 1
+    f2s[full_locs] = swa
+    full_locs[3] = 49  # maps to -1: skipped
+    k_buf, v_buf = _pool(hk, d, device, dtype)
+    qk_norm_rope_store(qkv, hq, hk, d, cos, sin, qn.weight, kn.weight, 1e-6, k_buf, v_buf, full_locs.to(device),
+                       unit_offset=False, weight_fp32=True, loc_map=f2s.to(device), v_norm=v_norm,
+                       v_from_k=v_from_k, v_eps=0.1)
+    tol = _tol(dtype)
+    torch.testing.assert_close(qkv[:, : hq * d].reshape(T, hq, d), q_ref, **tol, msg=lambda m: f"q seed={seed}: {m}")
+    torch.testing.assert_close(qkv[:, hq * d : (hq + hk) * d].reshape(T, hk, d), k_ref, **tol,
+                               msg=lambda m: f"k seed={seed}: {m}")
+    if not v_from_k:  # the v slice holds the V attention reads: normed in place, or left as it was
+        torch.testing.assert_close(qkv[:, (hq + hk) * d :].reshape(T, hk, d), v_ref, **tol,
+                                   msg=lambda m: f"v slice seed={seed}: {m}")
+    expect = swa.clone()
+    expect[3] = -1
+    ref = torch.cat([q_ref.reshape(T, -1), k_ref.reshape(T, -1), v_ref.reshape(T, -1)], -1)
+    if v_norm:  # the V norm rounds (and on the GPU may differ by an ulp): compare with a tolerance
+        v_got = v_buf.cpu()[expect[expect >= 0].long()]
+        torch.testing.assert_close(v_got.float(), v_ref.cpu()[expect >= 0].float(), **tol)
+        v_buf = v_buf.clone()
+        v_buf[expect[expect >= 0].to(device).long()] = v_ref[expect >= 0].to(v_buf.dtype)
+    _check_pool(k_buf.cpu(), v_buf.cpu(), ref.cpu(), expect, hq, hk, d, dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, d", [(4, 256), (2, 512), (3, 80)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_q_only(device, seed, dtype, hq, d, norm):
+    """KV-shared layers: qkv holds q alone; q normed (fp32 weight) and rotated in place, no pool."""
+    g = torch.Generator().manual_seed(seed)
+    T = 4
+    qkv = (torch.randn(T, hq * d + 16, generator=g) * 2).to(device, dtype)[:, : hq * d]
+    cos, sin = RotaryEmbedding(1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))).cos_sin(
+        torch.randint(0, 8192, (T,), generator=g).to(device))
+    qn = RMSNorm(d, eps=1e-6, fp32_weight=True)
+    with torch.no_grad():
+        qn.weight.copy_(torch.randn(d, generator=g) * 0.3)
+    qn = qn.to(device, dtype)
+    q = qkv.reshape(T, hq, d)
+    ref = _rotate(qn(q) if norm else q.clone(), cos[:, None].to(dtype), sin[:, None].to(dtype))
+    after = qkv.as_strided((T, 16), (qkv.stride(0), 1), hq * d).clone()  # the padding past q
+    qk_norm_rope_store(qkv, hq, 1, d, cos, sin, qn.weight if norm else None, None, 1e-6, None, None, None,
+                       unit_offset=False, weight_fp32=True)
+    torch.testing.assert_close(qkv.reshape(T, hq, d), ref, **_tol(dtype), msg=lambda m: f"seed={seed}: {m}")
+    assert torch.equal(qkv.as_strided((T, 16), (qkv.stride(0), 1), hq * d), after), "wrote past q"
