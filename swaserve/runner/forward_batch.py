@@ -44,6 +44,9 @@ class ForwardBatch:
     # [4, bs] int64, device (decode): positions, req_pool_indices, seq_lens, out_cache_loc as rows of
     # one block, so a graph runner copies its inputs in one go. The fields above are views of it.
     decode_inputs: torch.Tensor | None = None
+    # [2, k] int64, device (mixed extend batches): (token index, request row) of inputs still in
+    # flight, which the ModelRunner copies from its last-token table into input_ids; None: none.
+    table_inputs: torch.Tensor | None = None
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = field(default=None, repr=False)  # built by attn_backend.init_forward_metadata
     # Per-forward scratch shared by layers (e.g. rotary cos/sin); dies with the batch, so nothing
@@ -82,6 +85,7 @@ class ForwardBatch:
         device: torch.device | str,
         extend_prefix_lens: list[int] | None = None,
         extend_seq_lens: list[int] | None = None,
+        table_inputs: list[tuple[int, int]] | None = None,
     ) -> ForwardBatch:
         """Assemble from host lists (the scheduler's view) with one host-to-device copy: every field
         is packed into one int64 buffer and split on the device. `input_ids` may be None only for
@@ -115,4 +119,6 @@ class ForwardBatch:
             extend_prefix_lens_cpu=extend_prefix_lens,
             extend_seq_lens_cpu=extend_seq_lens,
             decode_inputs=packed[: 4 * bsp].view(4, bsp)[:, :bs] if mode is ForwardMode.DECODE else None,
+            table_inputs=to_device(torch.tensor(table_inputs, dtype=torch.int64).T.contiguous(), dev)
+            if table_inputs else None,
         )

@@ -153,6 +153,8 @@ class ModelRunner:
             return self.graph_runner.replay(batch)  # gathers its inputs from the table in the graph
         if batch.is_decode and batch.input_ids is None:
             batch.input_ids = self.last_tokens[batch.req_pool_indices]
+        if batch.table_inputs is not None:  # a mixed batch's decode inputs still in flight
+            batch.input_ids[batch.table_inputs[0]] = self.last_tokens[batch.table_inputs[1]]  # type: ignore[index]
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)  # [num_tokens, hidden]

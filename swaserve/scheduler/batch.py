@@ -15,7 +15,8 @@ class ScheduleBatch:
     """Requests of one step with the new tokens each computes.
 
     `extend_lens[i]` new tokens of `reqs[i]` start at position `prefix_lens[i]` (its kv_len before
-    the step); their full-pool slots are `out_cache_loc` in request order. `sample[i]` says whether
+    the step); their full-pool slots are `out_cache_loc` in request order. A mixed step is an
+    extend batch whose first `num_decode` rows are decodes (one new token each), then prefill chunks. `sample[i]` says whether
     request i's last new token is its last pending one, i.e. whether its logits give a new token.
     """
 
@@ -42,7 +43,8 @@ class ScheduleBatch:
     def to_forward_batch(self, device: torch.device | str, host_decode_inputs: bool = False) -> ForwardBatch:
         """`host_decode_inputs`: give a decode batch its input ids from the host (each request's
         last known token), for drivers that sample on the host and never fill the runner's table;
-        only right when no step is in flight."""
+        only right when no step is in flight (a mixed batch takes every input the host has from
+        the host, whatever this says)."""
         seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
         rows = [r.row for r in self.reqs]
         if self.mode is ForwardMode.DECODE and not host_decode_inputs:
@@ -51,9 +53,16 @@ class ScheduleBatch:
                                       self.out_cache_loc, device)
         input_ids: list[int] = []
         positions: list[int] = []
-        for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            input_ids.extend(r.ids[p : p + n])
+        # A mixed batch's decode row whose input (the token sampled by the step in flight) the host
+        # does not have yet reads it from the runner's last-token table on the device.
+        from_table: list[tuple[int, int]] = []
+        for i, (r, p, n) in enumerate(zip(self.reqs, self.prefix_lens, self.extend_lens)):
+            if i < self.num_decode and p >= len(r.ids):
+                from_table.append((len(input_ids), r.row))  # type: ignore[arg-type]
+                input_ids.append(0)
+            else:
+                input_ids.extend(r.ids[p : p + n])
             positions.extend(range(p, p + n))
         return ForwardBatch.build(self.mode, input_ids, positions, rows, seq_lens, self.out_cache_loc,  # type: ignore[arg-type]
                                   device, extend_prefix_lens=list(self.prefix_lens),
-                                  extend_seq_lens=list(self.extend_lens))
+                                  extend_seq_lens=list(self.extend_lens), table_inputs=from_table or None)

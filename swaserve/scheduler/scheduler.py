@@ -29,9 +29,13 @@ class SlotAllocator(Protocol):
 class Scheduler:
     """Decides what each step computes and owns every request's memory.
 
-    Policy: prefill first (FIFO, at most `max_prefill_tokens` new tokens a step; a prompt that does
-    not fit is chunked across steps, and at most one request is mid-prefill: it stays at the head
-    of `waiting`); otherwise one decode step for every running request. When a decode step cannot
+    Policy (`schedule_policy`): "mixed" (default) gives every step a decode row for each running
+    request first, then prefill chunks under what is left of the `max_prefill_tokens` budget, in one
+    extend batch (a decode row is an extend row of one new token on its prefix), so arriving prompts
+    never stall running streams; a step without prefill work is a plain decode batch (graphs). With
+    "prefill_first" a step prefills only (no decode) while prompts wait, and decodes otherwise.
+    Prefill is FIFO; a prompt that does not fit the budget is chunked across steps, and at most one
+    request is mid-prefill: it stays at the head of `waiting`. When a decode step cannot
     get a slot per request, the most recently admitted requests are retracted (memory freed,
     re-queued at the front, recomputed later with their output so far), so no request starves and
     a lone request always fits (admission checks it against the whole pool).
@@ -103,10 +107,21 @@ class Scheduler:
         self._evict_due(self.running)
         if self.waiting and self.waiting[0].kv_len:
             self._evict_due((self.waiting[0],))
-        return self._schedule_extend() or self._schedule_decode()
-
-    def _schedule_extend(self) -> ScheduleBatch | None:
         budget = self.config.max_prefill_tokens
+        if self.config.schedule_policy == "prefill_first":
+            return self._schedule_extend(budget) or self._schedule_decode()
+        decode = self._schedule_decode()  # decode first: its slots are taken before any prefill's
+        n_dec = len(decode.reqs) if decode is not None else 0
+        extend = self._schedule_extend(budget - n_dec) if self.waiting and budget > n_dec else None
+        if extend is None or decode is None:
+            return extend or decode
+        return ScheduleBatch(
+            ForwardMode.EXTEND, decode.reqs + extend.reqs, decode.prefix_lens + extend.prefix_lens,
+            decode.extend_lens + extend.extend_lens, torch.cat([decode.out_cache_loc, extend.out_cache_loc]),
+            decode.sample + extend.sample, num_decode=n_dec,
+        )
+
+    def _schedule_extend(self, budget: int) -> ScheduleBatch | None:
         reqs: list[Req] = []
         prefix: list[int] = []
         ext: list[int] = []

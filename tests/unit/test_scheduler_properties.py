@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swaserve.config import SchedulerConfig
+from swaserve.config import SCHEDULE_POLICIES, SchedulerConfig
 from swaserve.memory import ReqToTokenPool, SWAEvictor, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
@@ -31,14 +31,15 @@ def fake_next_token(ids: list[int]) -> int:
     return (sum(i * (k + 1) for k, i in enumerate(ids)) * 31 + len(ids)) % VOCAB
 
 
-def make_scheduler(full: int, swa: int | None, window: int, chunk: int, max_running: int, ctx: int = 64):
+def make_scheduler(full: int, swa: int | None, window: int, chunk: int, max_running: int, ctx: int = 64,
+                   policy: str = "mixed"):
     table = ReqToTokenPool(max_running + 2, ctx)
     if swa is None:
         alloc, ev = TokenToKVPoolAllocator(full), None
     else:
         alloc = SWATokenToKVPoolAllocator(full, swa)
         ev = SWAEvictor(alloc, table, window, margin=1, chunk=2)
-    cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=chunk)
+    cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=chunk, schedule_policy=policy)
     return Scheduler(cfg, ctx, table, alloc, ev)
 
 
@@ -67,10 +68,11 @@ class FakeDevice:
     def _launch(self, batch: ScheduleBatch) -> tuple[ScheduleBatch, list[int]]:
         assert batch.num_tokens <= max(self.s.config.max_prefill_tokens, len(batch.reqs))
         tokens = []
-        for r, p, n, sample in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+        assert batch.num_decode == 0 or batch.mode is ForwardMode.EXTEND
+        for i, (r, p, n, sample) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample)):
             history = r.ids + self.unseen.get(r.rid, [])  # what the device knows of the sequence
             assert p + n == r.kv_len and p + n <= len(history), "computes only tokens that exist"
-            if batch.mode is ForwardMode.DECODE:
+            if batch.mode is ForwardMode.DECODE or i < batch.num_decode:
                 assert n == 1 and p == len(history) - 1 and r.pending == 1, "decode reads the last token"
             self.seen_positions.setdefault(r.rid, set()).update(range(p, p + n))
             if sample:
@@ -120,10 +122,11 @@ ops = st.lists(
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, hybrid=st.booleans(), swa=st.integers(16, 40), chunk=st.integers(3, 16), max_running=st.integers(1, 5),
-       overlap=st.booleans())
-def test_random_workloads_keep_integrity_and_free_everything(ops, hybrid, swa, chunk, max_running, overlap):
+       overlap=st.booleans(), policy=st.sampled_from(SCHEDULE_POLICIES))
+def test_random_workloads_keep_integrity_and_free_everything(ops, hybrid, swa, chunk, max_running, overlap, policy):
     window = 4
-    s = make_scheduler(full=60, swa=swa if hybrid else None, window=window, chunk=chunk, max_running=max_running)
+    s = make_scheduler(full=60, swa=swa if hybrid else None, window=window, chunk=chunk, max_running=max_running,
+                       policy=policy)
     dev = FakeDevice(s, overlap)
     reqs: list[Req] = []
     for op, a, b, stops in ops:
@@ -157,9 +160,10 @@ def test_random_workloads_keep_integrity_and_free_everything(ops, hybrid, swa, c
     check_outputs(reqs)
 
 
+@pytest.mark.parametrize("policy", SCHEDULE_POLICIES)
 @pytest.mark.parametrize("overlap", [False, True])
-def test_chunked_prefill_and_retraction_happen(overlap):
-    s = make_scheduler(full=40, swa=24, window=4, chunk=5, max_running=4)
+def test_chunked_prefill_and_retraction_happen(overlap, policy):
+    s = make_scheduler(full=40, swa=24, window=4, chunk=5, max_running=4, policy=policy)
     reqs = [Req(f"r{i}", f"r{i}", 0, 12, list(range(1 + i, 13 + i)), Params(18), 0, frozenset()) for i in range(3)]
     for r in reqs:
         s.add(r)
@@ -220,3 +224,40 @@ def test_prompt_that_fills_the_swa_pool_still_decodes(overlap):
         s.check_integrity()
     check_outputs([r])
     assert r.num_output == 2 and s.allocator.swa.available() == 16
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_steps_keep_every_stream_decoding(overlap):
+    """Under the mixed policy a prompt arriving while others decode never skips a decode: every
+    running request that can take a token is in every step, first, with prefill chunks behind it
+    under the rest of the budget; prefill_first stalls them for the arrival's prefill."""
+    results = {}
+    for policy in SCHEDULE_POLICIES:
+        s = make_scheduler(full=200, swa=None, window=4, chunk=6, max_running=6, ctx=80, policy=policy)
+        dev = FakeDevice(s, overlap)
+        reqs = []
+        stalls = mixed = 0
+        for step in range(200):
+            if step % 5 == 0 and len(reqs) < 6:
+                r = Req(f"r{step}", f"r{step}", 0, 9, [(step + k) % VOCAB for k in range(9)], Params(20), 0, frozenset())
+                s.add(r)
+                reqs.append(r)
+            decodable = [r for r in s.running if r.needs_decode(s.max_context)]
+            b = dev.step()
+            s.check_integrity()
+            if not dev.busy() and len(reqs) == 6:
+                break
+            if b is None:
+                continue
+            in_batch = {id(r) for r in b.reqs[: b.num_decode or (len(b.reqs) if b.mode is ForwardMode.DECODE else 0)]}
+            stalls += sum(id(r) not in in_batch for r in decodable)
+            mixed += b.kind == "mixed"
+            if b.kind == "mixed":
+                assert b.num_tokens <= 6 and all(n == 1 for n in b.extend_lens[: b.num_decode])
+                assert all(r.prompt_len >= p + n for r, p, n in zip(b.reqs[b.num_decode :], b.prefix_lens[b.num_decode :],
+                                                                    b.extend_lens[b.num_decode :])), "prefill rows"
+        assert not dev.busy()
+        check_outputs(reqs)
+        results[policy] = (stalls, mixed)
+    assert results["mixed"][0] == 0 and results["mixed"][1] > 0
+    assert results["prefill_first"][0] > 0 and results["prefill_first"][1] == 0
