@@ -1,5 +1,6 @@
-"""Test-side oracle for the kernels: dense masked attention in float64, and a small hybrid-pool
-harness that places known per-position K/V into full/SWA pools through shuffled slots."""
+"""Test-side oracle for the kernels: dense masked attention in float64, a small hybrid-pool harness
+that places known per-position K/V into full/SWA pools through shuffled slots, and a Gemma 4
+attention layer with a recording backend to compare its fused and unfused K/V store paths."""
 
 from __future__ import annotations
 
@@ -121,3 +122,59 @@ def tolerances(dtype: torch.dtype) -> dict[str, float]:
     """fp32: kernels compute in fp32 (ieee dots) vs a float64 oracle. bf16: inputs are bf16 in both,
     the kernel rounds probabilities to bf16 for the P.V dot and the output to bf16."""
     return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+def gemma4_attention(form: str, hq: int, hk: int, d: int, dtype: torch.dtype, device: str, gen: torch.Generator,
+                     hidden: int = 32, v_eps: float = 0.05):
+    """A Gemma 4 `SelfAttention` (fp32-weight q/k norms, weightless V norm, proportional RoPE, scaling
+    1.0) with random weights; `form` is "v_norm" (sliding layers), "k_eq_v" (full layers: V is the
+    raw key projection) or "kv_shared" (q only)."""
+    from swaserve.layers.attention import SelfAttention
+    from swaserve.layers.rotary import rope_from_config
+
+    hf = type("HF", (), {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e6,
+                                             "partial_rotary_factor": 0.25}})()
+    attn = SelfAttention(layer_id=0, hidden_size=hidden, num_heads=hq, num_kv_heads=hk, head_dim=d,
+                         rotary=rope_from_config(hf, d), scaling=1.0, qk_norm={"eps": 1e-6, "fp32_weight": True},
+                         v_norm={"eps": v_eps}, k_eq_v=form == "k_eq_v", kv_shared=form == "kv_shared")
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() == 1 else hidden**-0.5))
+    return attn.to(device, dtype)
+
+
+class RecordingBackend:
+    """Stands in for an attention backend: records what a layer hands it (`seen`), stores K/V itself
+    like `store_kv` (negative slots skipped) when they are not stored yet, returns zeros."""
+
+    def __init__(self, fused: bool, k_buf: torch.Tensor, v_buf: torch.Tensor, locs: torch.Tensor):
+        self.fused_kv_store = fused
+        self.k_buf, self.v_buf, self.locs = k_buf, v_buf, locs  # locs: [T] int, the pool's own slots
+        self.seen: dict = {}
+
+    def kv_target(self, spec, batch):
+        return self.k_buf, self.v_buf, self.locs
+
+    def forward(self, q, k, v, spec, batch, sinks=None, kv_stored=False):
+        copy = lambda t: None if t is None else t.clone()  # noqa: E731
+        self.seen = {"q": q.clone(), "k": copy(k), "v": copy(v), "kv_stored": kv_stored}
+        if not kv_stored:
+            ok = self.locs >= 0
+            rows = self.locs[ok].long()
+            self.k_buf[rows], self.v_buf[rows] = k[ok].to(self.k_buf.dtype), v[ok].to(self.v_buf.dtype)
+        return torch.zeros(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=q.dtype, device=q.device)
+
+
+def run_both_paths(attn, hidden: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
+                   make_pool) -> dict[bool, tuple[dict, torch.Tensor, torch.Tensor]]:
+    """The layer on the same input with the unfused (False) and fused (True) K/V store: per path what
+    the backend saw and the pools after, each path into fresh pools from `make_pool()`."""
+    from types import SimpleNamespace
+
+    res = {}
+    for fused in (False, True):
+        k_buf, v_buf = make_pool()
+        backend = RecordingBackend(fused, k_buf, v_buf, locs)
+        attn(hidden, SimpleNamespace(attn_backend=backend, positions=positions, scratch={}))
+        res[fused] = (backend.seen, k_buf, v_buf)
+    return res

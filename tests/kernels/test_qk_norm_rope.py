@@ -11,6 +11,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kernel_ref import gemma4_attention, run_both_paths  # noqa: E402
+
 from swaserve.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from swaserve.layers.norm import RMSNorm  # noqa: E402
 from swaserve.layers.rotary import RotaryEmbedding, _proportional, _rotate  # noqa: E402
@@ -148,43 +150,6 @@ def test_qk_norm_rope_store_empty(device):
 GEMMA4_FORMS = ["v_norm", "k_eq_v", "kv_shared"]
 
 
-def _gemma4_attention(form, hq, hk, d, dtype, device, g, hidden=32):
-    """A Gemma 4 attention layer (fp32-weight q/k norms, weightless V norm, proportional RoPE) with
-    random weights."""
-    from swaserve.layers.attention import SelfAttention
-    from swaserve.layers.rotary import rope_from_config
-
-    hf = type("HF", (), {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e6,
-                                             "partial_rotary_factor": 0.25}})()
-    attn = SelfAttention(layer_id=0, hidden_size=hidden, num_heads=hq, num_kv_heads=hk, head_dim=d,
-                         rotary=rope_from_config(hf, d), scaling=1.0, qk_norm={"eps": 1e-6, "fp32_weight": True},
-                         v_norm={"eps": 0.05}, k_eq_v=form == "k_eq_v", kv_shared=form == "kv_shared")
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else hidden**-0.5))
-    return attn.to(device, dtype)
-
-
-class _Backend:
-    """Records what SelfAttention hands the backend; stores K/V itself when asked (unfused)."""
-
-    def __init__(self, fused: bool, k_buf, v_buf, locs):
-        self.fused_kv_store = fused
-        self.k_buf, self.v_buf, self.locs = k_buf, v_buf, locs
-
-    def kv_target(self, spec, batch):
-        return self.k_buf, self.v_buf, self.locs
-
-    def forward(self, q, k, v, spec, batch, sinks=None, kv_stored=False):
-        self.seen = {"q": q.clone(), "k": None if k is None else k.clone(), "v": None if v is None else v.clone(),
-                     "kv_stored": kv_stored}
-        if not kv_stored:  # as store_kv: negative slots skipped
-            ok = self.locs >= 0
-            rows = self.locs[ok].long()
-            self.k_buf[rows], self.v_buf[rows] = k[ok].to(self.k_buf.dtype), v[ok].to(self.v_buf.dtype)
-        return torch.zeros(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=q.dtype, device=q.device)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq, hk, d", [(4, 2, 256), (4, 1, 512), (8, 2, 16)])
 @pytest.mark.parametrize("form", GEMMA4_FORMS)
@@ -192,24 +157,15 @@ def test_gemma4_forms_fused_match_unfused_layer(device, seed, dtype, hq, hk, d, 
     """SelfAttention's fused path (one `qk_norm_rope_store` launch) against its unfused path on the
     same inputs: q handed to attention, the pool's K/V, and any k/v handed over with the K/V already
     stored equal what the unfused path computed (the extend kernel reads them as the new tokens' K/V)."""
-    from types import SimpleNamespace
-
     g = torch.Generator().manual_seed(seed)
-    attn = _gemma4_attention(form, hq, hk, d, dtype, device, g)
+    attn = gemma4_attention(form, hq, hk, d, dtype, device, g)
     T = 6
     hidden = (torch.randn(T, 32, generator=g) * 3).to(device, dtype)
     positions = torch.randint(0, 8192, (T,), generator=g).to(device)
     slots = torch.randperm(SLOTS - 1, generator=g)[:T] + 1
     slots[2] = -1  # skipped
-    seen = {}
-    pools = {}
-    for fused in (False, True):
-        k_buf, v_buf = _pool(hk, d, device, dtype)
-        backend = _Backend(fused, k_buf, v_buf, slots.to(device))
-        batch = SimpleNamespace(attn_backend=backend, positions=positions, scratch={})
-        attn(hidden, batch)
-        seen[fused], pools[fused] = backend.seen, (k_buf.cpu(), v_buf.cpu())
-    ref, got = seen[False], seen[True]
+    res = run_both_paths(attn, hidden, positions, slots.to(device), lambda: _pool(hk, d, device, dtype))
+    (ref, *ref_pools), (got, *got_pools) = res[False], res[True]
     assert got["kv_stored"], "the fused path stored the K/V (or has none to store)"
     tol = _tol(dtype)
     torch.testing.assert_close(got["q"], ref["q"], **tol, msg=lambda m: f"q, seed={seed}: {m}")
@@ -221,11 +177,11 @@ def test_gemma4_forms_fused_match_unfused_layer(device, seed, dtype, hq, hk, d, 
     if form == "k_eq_v":
         assert got["v"] is None, "k_eq_v's V exists only in the pool: the backend must read it back"
     # NaN / -7 poison on both sides: unwritten slots compare equal, skipped tokens leave theirs.
-    for buf_ref, buf_got, name in zip(pools[False], pools[True], ("k pool", "v pool")):
-        torch.testing.assert_close(buf_got, buf_ref, **tol, equal_nan=True,
+    for buf_ref, buf_got, name in zip(ref_pools, got_pools, ("k pool", "v pool")):
+        torch.testing.assert_close(buf_got.cpu(), buf_ref.cpu(), **tol, equal_nan=True,
                                    msg=lambda m, n=name: f"{n} seed={seed}: {m}")
     if form == "kv_shared":
-        k_pool, v_pool = pools[True]
+        k_pool, v_pool = got_pools
         assert torch.isnan(k_pool).all() and (v_pool == -7.0).all(), "a KV-shared layer stores nothing"
 
 
