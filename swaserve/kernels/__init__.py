@@ -25,7 +25,9 @@ host sync, grids fixed by host ints) unless stated otherwise.
 - `add_rms_norm(x, residual, post_weight, next_weight, eps, ...)` (norm.py): `h = residual +
   norm(x)` and `norm(h)` in one launch (a sandwich norm's add plus the next block's input norm).
 - `qk_norm_rope_store(qkv, ..., k_buf, v_buf, locs, loc_map=None)` (qk_norm_rope.py): per-head q/k RMSNorm, rotary
-  and the K/V store of one attention layer in one launch, in place on the qkv projection.
+  and the K/V store of one attention layer in one launch, in place on the qkv projection; Gemma 4's
+  forms: `v_norm` (weightless V norm), `v_from_k` (K = V: qkv holds q|k) and q only (`k_buf=None`,
+  KV-shared layers).
 - `act_and_mul(gate_up, activation)`: `act(gate) * up` for silu, gelu and gelu_tanh (activation.py).
 - `skinny_gemm(x, weight, splits)` / `skinny_gated_gemm(x, weight, activation)` (skinny_gemm.py):
   decode-sized (<= 64 rows) weight-streaming GEMMs; split-K float32 partial sums that `add_rms_norm`

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Gemma 4 on the GPU machine, from the repo root: `bash scripts/gpu_gemma4.sh [step ...]`.
+# Steps: kernels (MoE + attention kernel tests, natively), parity (6-layer 26B-A4B shape vs HF), decode
+# (bs 1/16/64 x ctx 1k/8k vs the active-expert roofline), serve (200 requests @ 128 through `swaserve
+# serve` on a random-weight 26B-A4B directory), capacity (hybrid vs one pool). Logs in $OUT/<step>.log;
+# every step runs under a time limit even if an earlier one failed; a summary table at the end.
+# The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
+#   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
+#   import Tokenizer; Tokenizer.from_gguf(p()).hf.save_pretrained('.gpu_assets/gemma_tok')"
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(kernels parity decode)
+NAMES=() RESULTS=()
+
+run() {  # run NAME LIMIT_S CMD...
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    echo "== $name (limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "   -> rc=$rc in $((SECONDS - start))s"
+    tail -n "${TAIL:-16}" "$OUT/$name.log" | sed 's/^/   | /'
+    NAMES+=("$name") RESULTS+=("rc=$rc $((SECONDS - start))s: $(grep -E 'passed|failed|PASS|FAIL|concurrency ratio' "$OUT/$name.log" | tail -n 1 | cut -c1-110)")
+}
+
+model_dir() {  # a config-only 26B-A4B directory (random weights via --load-format dummy) with the tokenizer
+    local d=/tmp/gemma4-26b-a4b
+    mkdir -p "$d" && cp .gpu_assets/gemma_tok/* "$d"/
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import gemma4_hf_config; \
+gemma4_hf_config('26b-a4b', max_positions=16384).save_pretrained('$d')"
+    echo "$d"
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        kernels)
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run kernels 240 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_fused_moe.py tests/kernels/test_decode_attention.py \
+                tests/kernels/test_extend_attention.py tests/kernels/test_qk_norm_rope.py
+            run gpu_kernels 240 python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+                tests/gpu/test_fused_moe_gpu.py tests/gpu/test_gemma4_kernels_gpu.py ;;
+        parity)
+            run parity 420 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_gemma4_vs_hf.py ;;
+        decode)
+            run decode 420 python3 benchmarks/decode.py --shapes gemma4-26b-a4b --batch-sizes 1,16,64 \
+                --contexts 1024,8192 --steps 32 --warmup 4 ;;
+        moe_bench)
+            run moe_bench 120 python3 benchmarks/moe_kernel.py ;;
+        serve)
+            d=$(model_dir)
+            run serve 540 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
+                --num-requests 200 --concurrency 128 --window 1024 --max-tokens 256 -- \
+                --max-running-requests 128 --max-context 4096 ;;
+        capacity)
+            run capacity 420 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
+        *) echo "unknown step $step" ;;
+    esac
+done
+echo
+echo "== summary"
+for i in "${!NAMES[@]}"; do printf '%-12s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
