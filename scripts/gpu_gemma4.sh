@@ -38,25 +38,25 @@ gemma4_hf_config('26b-a4b', max_positions=16384).save_pretrained('$d')"
 for step in "${steps[@]}"; do
     case $step in
         kernels)
-            SWASERVE_KERNEL_TESTS_ON_GPU=1 run kernels 240 python3 -m pytest -q -p no:cacheprovider \
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run kernels 150 python3 -m pytest -q -p no:cacheprovider \
                 tests/kernels/test_fused_moe.py tests/kernels/test_decode_attention.py \
                 tests/kernels/test_extend_attention.py tests/kernels/test_qk_norm_rope.py
-            run gpu_kernels 240 python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+            run gpu_kernels 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s \
                 tests/gpu/test_fused_moe_gpu.py tests/gpu/test_gemma4_kernels_gpu.py ;;
         parity)
-            run parity 420 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_gemma4_vs_hf.py ;;
+            run parity 280 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_gemma4_vs_hf.py ;;
         decode)
-            run decode 420 python3 benchmarks/decode.py --shapes gemma4-26b-a4b --batch-sizes 1,16,64 \
+            run decode 360 python3 benchmarks/decode.py --shapes gemma4-26b-a4b --batch-sizes 1,16,64 \
                 --contexts 1024,8192 --steps 32 --warmup 4 ;;
         moe_bench)
-            run moe_bench 120 python3 benchmarks/moe_kernel.py ;;
+            run moe_bench 90 python3 benchmarks/moe_kernel.py ;;
         serve)
             d=$(model_dir)
-            run serve 540 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
+            run serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
                 --num-requests 200 --concurrency 128 --window 1024 --max-tokens 256 -- \
                 --max-running-requests 128 --max-context 4096 ;;
         capacity)
-            run capacity 420 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
+            run capacity 170 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
         *) echo "unknown step $step" ;;
     esac
 done
