@@ -1,15 +1,15 @@
-"""OpenAI-compatible HTTP server: FastAPI app, engine thread client, metrics, launch helpers."""
+"""OpenAI-compatible HTTP frontend: FastAPI app, the engine-core client, metrics, launch helpers."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["EngineClient", "add_server_args", "build_server", "create_app", "run_server", "serve_main"]
+__all__ = ["EngineClient", "build_server", "create_app", "run_server", "serve_main"]
 
 if TYPE_CHECKING:
     from swaserve.server.app import create_app
     from swaserve.server.engine_client import EngineClient
-    from swaserve.server.launch import add_server_args, build_server, run_server, serve_main
+    from swaserve.server.launch import build_server, run_server, serve_main
 
 
 def __getattr__(name: str) -> Any:
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
         from swaserve.server.engine_client import EngineClient
 
         return EngineClient
-    if name in ("add_server_args", "build_server", "run_server", "serve_main"):
+    if name in ("build_server", "run_server", "serve_main"):
         from swaserve.server import launch
 
         return getattr(launch, name)

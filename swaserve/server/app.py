@@ -22,7 +22,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from swaserve.server.engine_client import EngineClient
 from swaserve.server.generation import Generation
-from swaserve.server.launch import run_server, serve_main  # noqa: F401  (re-exported)
 from swaserve.server.messages import SubRequest
 from swaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from swaserve.server.responses import Choices, dumps, stream_chunks
@@ -39,7 +38,8 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The app; its lifespan starts the engine thread and stops it (failing what is left) on shutdown."""
+    """The app over a started engine core (`client.start_core()`); its lifespan starts reading the core's
+    outputs and, on shutdown, fails what is left and stops the core."""
     client = engine_client
     model_name = served_model_name or client.model_name
     created = int(time.time())
@@ -50,7 +50,7 @@ def create_app(
         try:
             yield
         finally:
-            await asyncio.to_thread(client.stop)
+            await client.stop()
 
     app = FastAPI(title="swaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_client = client

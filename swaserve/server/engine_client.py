@@ -1,16 +1,24 @@
-"""EngineClient: the engine thread (the only thread that touches the engine and its tokenizer) and the
-command queue the event loop feeds it; results go back as `Update`s on per-request asyncio queues.
+"""EngineClient: the frontend's side of the engine core. Tokenizes (chat templates included), sends requests
+to the core process, reads its per-step outputs on the event loop, detokenizes incrementally (stop
+strings end a request here), and hands `Update`s to per-request asyncio queues.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+import zmq.asyncio
+
+from swaserve.core.engine_core import CoreSpec
+from swaserve.core.messages import AbortRequests, AddRequest, RequestDelta, StepOutputs
+from swaserve.core.process import CoreProcess
+from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.request import SamplingParams
 from swaserve.server.generation import Generation
 from swaserve.server.messages import SubRequest, Update
@@ -18,173 +26,127 @@ from swaserve.server.metrics import ServerMetrics
 from swaserve.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
+LIVENESS_POLL_MS = 200  # with no output for this long, check that the core is still alive
 
-
-@dataclass(slots=True)
-class _Add:
-    """Command: add these sub-requests of one HTTP request; their updates go to `queue`."""
-
-    queue: asyncio.Queue[list[Update]]
-    subs: list[SubRequest]
-    arrival: float
+_SHUTTING_DOWN = APIError(503, "server is shutting down", code="shutting_down")
+_CORE_DEAD = APIError(500, "the engine core process died; the server is restarting or exiting", code="engine_dead")
+_ENGINE_ERROR = APIError(500, "internal engine error", code="engine_error")
 
 
 @dataclass(slots=True)
 class _Track:
-    """Engine-thread bookkeeping of one running sub-request: how much of its output was sent."""
+    """One sub-request in flight: where its updates go, its detokenizer, and what was sent."""
 
     sub: SubRequest
     queue: asyncio.Queue[list[Update]]
     arrival: float
-    chars: int = 0
-    tokens: int = 0
-    logprobs: int = 0
+    prompt_tokens: int
+    detok: IncrementalDetokenizer
+    accepted: bool = False
+    tokens: int = 0  # token ids handed out (posted or pending)
+    chars: int = 0  # characters of detok.text handed out
     last_token: float = 0.0
+    posted: bool = False  # an update with tokens or text was posted
+    pending: Update | None = None  # held back until stream_interval tokens (or the end)
 
 
 class EngineClient:
-    """Runs `engine.step()` in a dedicated thread so HTTP handling never waits on model compute.
+    """Frontend handle on one engine-core process.
 
-    Invariants: only the engine thread calls the engine or its tokenizer; the event loop talks to it
-    through `_commands` (adds, aborts; drained between steps, in order) and gets results as lists of
-    `Update`s on per-HTTP-request asyncio queues, delivered with one `call_soon_threadsafe` per step.
-    The thread sleeps on `_cv` when the engine is idle. `snapshot` is replaced, never mutated, after
-    every step, so readers on other threads see a consistent dict.
+    Invariants: only the event loop touches this object after `start()`; every open sub-request has
+    a `_Track`, and leaves it exactly once (finished, stopped by a stop string, aborted, refused or
+    failed), and the core is told to abort every one that leaves it unfinished. When the core dies,
+    every open request gets a 500 at once, `alive` turns False (/health: 503), and `on_fatal` runs.
     """
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None):
-        self._engine = engine
+    def __init__(self, spec: CoreSpec, tokenizer: Any, metrics: ServerMetrics | None = None,
+                 stream_interval: int = 1, on_fatal: Callable[[], None] | None = None):
+        self.spec = spec
+        self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics()
-        self.model_name: str = getattr(engine, "model_name", None) or "swaserve"
-        self.max_context: int = int(engine.model_config.max_context)
+        self.stream_interval = max(1, int(stream_interval))
+        self.on_fatal = on_fatal
         self.snapshot: dict[str, int] = {}
-        self._cv = threading.Condition()
-        self._commands: list[_Add | str] = []  # str: a request id to abort
+        self.core: CoreProcess | None = None
+        self.model_name = "swaserve"
+        self.max_context = 0
+        self.core_died = False
         self._stopping = False
-        self._busy = False
         self._tracks: dict[str, _Track] = {}
         self._posts: dict[int, tuple[asyncio.Queue[list[Update]], list[Update]]] = {}
         self._token_text: dict[int, str] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
+        self._reader: asyncio.Task | None = None
 
-    # ---- event-loop side -------------------------------------------------------------------------
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def start_core(self) -> None:
+        """Start the engine core and wait until it is ready (before the HTTP server starts)."""
+        self.core = CoreProcess(self.spec)
+        try:
+            ready = self.core.start()
+        except BaseException:
+            self.core.kill()
+            self.core.close()
+            raise
+        self.model_name, self.max_context = ready.model_name, ready.max_context
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop or asyncio.get_running_loop()
-        # Daemon: a wedged step() must not keep the process alive after shutdown gave up on it.
-        self._thread = threading.Thread(target=self._run, name="swaserve-engine", daemon=True)
-        self._thread.start()
-        self._ready.wait(timeout=60)
+        """Start reading the core's outputs on the running event loop."""
+        assert self.core is not None, "start_core() first"
+        self._reader = asyncio.ensure_future(self._read(zmq.asyncio.Socket.from_socket(self.core.outputs)))
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Fail whatever is still in flight with a 503, let the engine thread exit, and join it."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("engine thread did not exit within %.0fs", timeout)
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Fail what is still open with a 503, stop the core (waiting up to `timeout` s) and the reader."""
+        self._stopping = True
+        self._fail_all(_SHUTTING_DOWN, tell_core=False)
+        if self._reader is not None:
+            self._reader.cancel()
+        if self.core is not None:
+            core, self.core = self.core, None
+            await asyncio.to_thread(core.stop, timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self.core is not None and not self._stopping and not self.core_died
+
+    @property
+    def core_pid(self) -> int | None:
+        return self.core.pid if self.core is not None else None
+
+    # ---- requests ----------------------------------------------------------------------------------
 
     def generate(self, subs: list[SubRequest]) -> Generation:
+        if not self.alive:
+            raise _CORE_DEAD if self.core_died else _SHUTTING_DOWN
         gen = Generation(subs, abort=self.abort)
-        self._submit(_Add(gen.queue, subs, time.monotonic()))
-        return gen
-
-    def abort(self, request_id: str) -> None:
-        self._submit(request_id)
-
-    def _submit(self, command: _Add | str) -> None:
-        with self._cv:
-            if isinstance(command, _Add) and (self._stopping or self._thread is None):
-                raise APIError(503, "server is shutting down", code="shutting_down")
-            self._commands.append(command)
-            self._cv.notify()
-
-    # ---- engine thread ---------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self._publish()
-            self._ready.set()
-            self._serve()
-        except BaseException:
-            logger.exception("engine thread crashed; failing every request")
-        finally:
-            self._ready.set()
-            with self._cv:
-                self._stopping = True  # `alive` turns False, /health reports it, new requests get a 503
-                commands, self._commands = self._commands, []
-            error = APIError(503, "server is shutting down", code="shutting_down")
-            for command in commands:
-                if isinstance(command, _Add):
-                    for sub in command.subs:
-                        self._post(command.queue, Update(sub.index, error=error))
-            self._fail_all(error)
-            self._publish()
-            self._flush()
-
-    def _serve(self) -> None:
-        while True:
-            with self._cv:
-                while not self._commands and not self._stopping and not self._busy:
-                    self._cv.wait()
-                commands, self._commands = self._commands, []
-                stopping = self._stopping
-            for command in commands:
-                try:
-                    self._abort(command) if isinstance(command, str) else self._add(command)
-                except Exception:
-                    logger.exception("engine command failed")
-            if stopping:
-                return
-            idle_step = False
-            if self._engine.has_unfinished():
-                t0 = time.monotonic()
-                try:
-                    outputs = self._engine.step()
-                    self._dispatch(outputs)
-                    idle_step = not outputs and time.monotonic() - t0 < 1e-3
-                except Exception:
-                    logger.exception("engine step failed; failing the requests in flight")
-                    self._fail_all(APIError(500, "internal engine error", code="engine_error"))
-                    idle_step = True
-            self._busy = self._engine.has_unfinished()
-            self._publish()
-            self._flush()
-            if idle_step:
-                # The engine has work it cannot schedule yet (or keeps failing): nap instead of spinning,
-                # but wake at once for a new command.
-                with self._cv:
-                    if not self._commands and not self._stopping:
-                        self._cv.wait(0.005)
-
-    def _add(self, cmd: _Add) -> None:
-        for sub in cmd.subs:
+        arrival = time.monotonic()
+        for sub in subs:
             try:
                 ids = self._prompt_ids(sub)
                 params = self._sampling_params(sub, len(ids))
-                self._engine.add_request(sub.request_id, ids, params)
-            except Exception as e:
-                if isinstance(e, (APIError, ValueError)):
-                    self.metrics.count_rejected()
-                    err = e if isinstance(e, APIError) else APIError(400, str(e), code="invalid_value")
-                else:
-                    logger.exception("add_request failed")
-                    err = APIError(500, "internal engine error", code="engine_error")
-                self._post(cmd.queue, Update(sub.index, error=err))
+            except (APIError, ValueError) as e:
+                self.metrics.count_rejected()
+                gen.queue.put_nowait([Update(sub.index, error=e if isinstance(e, APIError) else
+                                             APIError(400, str(e), code="invalid_value"))])
                 continue
-            self._tracks[sub.request_id] = _Track(sub, cmd.queue, cmd.arrival)
-            self._post(cmd.queue, Update(sub.index, accepted=True, prompt_tokens=len(ids)))
+            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
+            self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok)
+            sampling = {k: v for k, v in sub.sampling.items() if k != "stop"}
+            sampling["max_tokens"] = params.max_tokens
+            self.core.send(AddRequest(sub.request_id, ids, sampling))  # type: ignore[union-attr]
+        return gen
+
+    def abort(self, request_id: str) -> None:
+        if self._tracks.pop(request_id, None) is not None:
+            self.metrics.count_aborted()
+            self._tell_abort([request_id])
+
+    def _tell_abort(self, request_ids: list[str]) -> None:
+        if self.core is not None and not self.core_died:
+            self.core.send(AbortRequests(request_ids))
 
     def _prompt_ids(self, sub: SubRequest) -> list[int]:
-        tok = self._engine.tokenizer
+        tok = self.tokenizer
         prompt = sub.prompt
         if sub.messages is not None:
             try:
@@ -219,43 +181,105 @@ class EngineClient:
             )
         return SamplingParams(**kw)
 
-    def _abort(self, request_id: str) -> None:
-        if self._tracks.pop(request_id, None) is not None:
-            self.metrics.count_aborted()
-        self._engine.abort(request_id)
+    # ---- outputs -----------------------------------------------------------------------------------
 
-    def _dispatch(self, outputs: list[Any]) -> None:
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        core = self.core
+        assert core is not None
+        try:
+            while True:
+                if not await sock.poll(LIVENESS_POLL_MS):
+                    if not core.alive:
+                        break
+                    continue
+                msg = core.codec.decode_from_core(await sock.recv())
+                if isinstance(msg, StepOutputs):
+                    self._on_step(msg)
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            logger.exception("reading the engine core's outputs failed")
+        if not self._stopping:
+            self._on_core_death()
+
+    def _on_core_death(self) -> None:
+        code = self.core.proc.returncode if self.core is not None and self.core.proc is not None else None
+        logger.error("the engine core died (exit code %s); failing every open request", code)
+        self.core_died = True
+        self._fail_all(_CORE_DEAD, tell_core=False)
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _on_step(self, msg: StepOutputs) -> None:
+        self.snapshot = msg.counters
+        for rid in msg.accepted:
+            track = self._tracks.get(rid)
+            if track is not None:
+                track.accepted = True
+                self._post(track, Update(track.sub.index, accepted=True, prompt_tokens=track.prompt_tokens))
+        for rej in msg.rejected:
+            track = self._tracks.pop(rej.request_id, None)
+            if track is not None:
+                self.metrics.count_rejected()
+                err = APIError(400, rej.message, code="invalid_value") if rej.status == 400 else _ENGINE_ERROR
+                self._post(track, Update(track.sub.index, error=err))
+        for rid in msg.failed:
+            track = self._tracks.pop(rid, None)
+            if track is not None:
+                self._post(track, Update(track.sub.index, error=_ENGINE_ERROR))
         now = time.monotonic()
-        for out in outputs:
-            track = self._tracks.get(out.request_id)
-            if track is None:  # aborted while its step ran
-                continue
-            completion = out.outputs[0]
-            new_ids = list(completion.token_ids[track.tokens :])
-            upd = Update(track.sub.index, text=completion.text[track.chars :], token_ids=new_ids)
-            if new_ids:
-                if track.tokens == 0:
-                    self.metrics.ttft.observe(now - track.arrival)
-                else:
-                    self.metrics.itl.observe((now - track.last_token) / len(new_ids), len(new_ids))
-                track.last_token = now
-            if completion.logprobs is not None:
-                upd.logprobs = list(completion.logprobs[track.logprobs :])
-                track.logprobs += len(upd.logprobs)
-                if track.sub.token_strings:
-                    upd.token_strs = self._token_strings(upd.logprobs)
-            track.tokens += len(new_ids)
-            track.chars += len(upd.text)
-            if out.finished:
-                upd.finish_reason = completion.finish_reason or "stop"
-                del self._tracks[out.request_id]
-                self.metrics.count_finished(upd.finish_reason)
-                self.metrics.e2e.observe(now - track.arrival)
-            if upd.text or new_ids or upd.finish_reason:
-                self._post(track.queue, upd)
+        for delta in msg.deltas:
+            track = self._tracks.get(delta.request_id)
+            if track is not None:  # None: aborted or stopped here while its step ran
+                self._on_delta(track, delta, now)
+        self._flush()
+
+    def _on_delta(self, track: _Track, delta: RequestDelta, now: float) -> None:
+        ids, finish, detok = delta.token_ids, delta.finish_reason, track.detok
+        # A core-side "stop" ends on a stop token (EOS or stop_token_ids): in token_ids, but no text.
+        text_ids = ids[:-1] if finish == "stop" and ids else ids
+        taken = len(ids)
+        for k, tid in enumerate(text_ids):
+            detok.step([tid])
+            if detok.stopped:  # a stop string: this token is the last one reported
+                taken, finish = k + 1, "stop"
+                self._tell_abort([delta.request_id])
+                break
+        if finish is not None and not detok.stopped:
+            detok.flush()
+        new_ids = ids[:taken] if taken < len(ids) else ids
+        if new_ids:
+            if track.tokens == 0:
+                self.metrics.ttft.observe(now - track.arrival)
+            else:
+                self.metrics.itl.observe((now - track.last_token) / len(new_ids), len(new_ids))
+            track.last_token = now
+        upd = track.pending or Update(track.sub.index)
+        upd.text += detok.text[track.chars :]
+        track.chars = len(detok.text)
+        upd.token_ids += new_ids
+        if delta.logprobs is not None:
+            lps = delta.logprobs[: len(new_ids)]
+            upd.logprobs = (upd.logprobs or []) + lps
+            if track.sub.token_strings:
+                upd.token_strs = {**(upd.token_strs or {}), **self._token_strings(lps)}
+        track.tokens += len(new_ids)
+        track.pending = None
+        if finish is not None:
+            upd.finish_reason = finish
+            del self._tracks[delta.request_id]
+            self.metrics.count_finished(finish)
+            self.metrics.e2e.observe(now - track.arrival)
+        elif not (upd.text or upd.token_ids):
+            return
+        elif track.posted and len(upd.token_ids) < self.stream_interval:
+            track.pending = upd  # stream_interval: the first token goes at once, then every N
+            return
+        track.posted = True
+        self._post(track, upd)
 
     def _token_strings(self, logprobs: list[dict[int, float]]) -> dict[int, str]:
-        cache, decode = self._token_text, self._engine.tokenizer.decode
+        cache, decode = self._token_text, self.tokenizer.decode
         out: dict[int, str] = {}
         for entry in logprobs:
             for tid in entry:
@@ -264,39 +288,18 @@ class EngineClient:
                 out[tid] = cache[tid]
         return out
 
-    def _fail_all(self, error: APIError) -> None:
-        for request_id, track in list(self._tracks.items()):
-            self._post(track.queue, Update(track.sub.index, error=error))
-            try:
-                self._abort(request_id)
-            except Exception:
-                logger.exception("abort of %s failed", request_id)
-        self._tracks.clear()
+    def _fail_all(self, error: APIError, tell_core: bool) -> None:
+        tracks, self._tracks = self._tracks, {}
+        for track in tracks.values():
+            self._post(track, Update(track.sub.index, error=error))
+        if tell_core and tracks:
+            self._tell_abort(list(tracks))
+        self._flush()
 
-    def _publish(self) -> None:
-        try:
-            snap = {k: int(v) for k, v in self._engine.memory_stats().items() if isinstance(v, (int, float))}
-            stats = self._engine.stats
-            for key in ("prompt_tokens_total", "generation_tokens_total", "retractions_total"):
-                snap[key] = int(getattr(stats, key, 0))
-        except Exception:
-            logger.exception("engine memory_stats failed")
-            return
-        self.snapshot = snap
-
-    def _post(self, queue: asyncio.Queue[list[Update]], update: Update) -> None:
-        self._posts.setdefault(id(queue), (queue, []))[1].append(update)
+    def _post(self, track: _Track, update: Update) -> None:
+        self._posts.setdefault(id(track.queue), (track.queue, []))[1].append(update)
 
     def _flush(self) -> None:
-        if not self._posts or self._loop is None:
-            return
-        posts, self._posts = list(self._posts.values()), {}
-        try:
-            self._loop.call_soon_threadsafe(_deliver, posts)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-
-def _deliver(posts: list[tuple[asyncio.Queue[list[Update]], list[Update]]]) -> None:
-    for queue, updates in posts:
-        queue.put_nowait(updates)
+        posts, self._posts = self._posts, {}
+        for queue, updates in posts.values():
+            queue.put_nowait(updates)

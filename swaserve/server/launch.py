@@ -1,5 +1,5 @@
-"""Starting the server: uvicorn on a socket we bind ourselves, signal handling, and the CLI entry points
-(`add_server_args`, `serve_main`) that `swaserve serve` calls.
+"""Starting the server: the engine core process, uvicorn on a socket we bind ourselves, signal handling,
+and the entry points `serve_main` (`swaserve serve`) and `main` (`python -m swaserve.server`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import uvicorn
 
+from swaserve.config import ServerConfig
+from swaserve.core.engine_core import CoreSpec
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
-
-DEFAULT_GRACEFUL_TIMEOUT = 10.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -33,53 +34,47 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_server(
-    engine: Any,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    max_body_bytes: int | None = None,
-    graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT,
-    log_level: str = "warning",
-    access_log: bool = False,
-) -> tuple[uvicorn.Server, socket.socket]:
-    """A ready-to-run uvicorn server for `engine` and its bound socket (port 0 picks a free port).
-
-    Run it with `server.run(sockets=[sock])` (any thread; signals are handled only in the main one).
-    """
-    from swaserve.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None) -> tuple[uvicorn.Server, socket.socket]:
+    """Start the engine core (waiting until it is ready) and return a ready-to-run uvicorn server with
+    its bound socket (port 0 picks a free port). Run it with `server.run(sockets=[sock])` (any thread;
+    signals are handled only in the main one). If the core dies, every open request fails, the server
+    stops, and `server.config.app.state.exit_code` is 1."""
+    from swaserve.server.app import create_app
     from swaserve.server.engine_client import EngineClient
 
-    app = create_app(
-        EngineClient(engine), served_model_name=served_model_name, api_key=api_key,
-        max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-    )
-    config = uvicorn.Config(
-        app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=math.ceil(graceful_timeout),
-        lifespan="on", loop="asyncio", http="h11", ws="none", server_header=False,
-    )
-    return uvicorn.Server(config), bind_socket(host, port)
+    cfg = config or ServerConfig()
+    holder: dict[str, uvicorn.Server] = {}
+
+    def on_fatal() -> None:  # the core died: stop serving, exit non-zero
+        app.state.exit_code = 1
+        holder["server"].should_exit = True
+
+    client = EngineClient(core, tokenizer, stream_interval=cfg.stream_interval, on_fatal=on_fatal)
+    client.start_core()
+    try:
+        app = create_app(client, served_model_name=cfg.served_model_name, api_key=cfg.api_key,
+                         max_body_bytes=cfg.max_body_bytes)
+        app.state.exit_code = 0
+        uv_config = uvicorn.Config(
+            app, log_level=cfg.log_level, access_log=cfg.access_log,
+            timeout_graceful_shutdown=math.ceil(cfg.graceful_timeout), lifespan="on", loop="asyncio", http="h11",
+            ws="none", server_header=False,
+        )
+        holder["server"] = uvicorn.Server(uv_config)
+        return holder["server"], bind_socket(cfg.host, cfg.port)
+    except BaseException:
+        client.core.stop(5.0)  # type: ignore[union-attr]
+        raise
 
 
-def run_server(
-    engine: Any,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    max_body_bytes: int | None = None,
-    graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT,
-    log_level: str = "warning",
-    access_log: bool = False,
-) -> None:
-    """Serve until SIGINT/SIGTERM: stop accepting, let in-flight requests finish (up to
-    `graceful_timeout` s, then cancel them), stop the engine thread, release the port, and return."""
-    server, sock = build_server(
-        engine, host, port, api_key, served_model_name, max_body_bytes, graceful_timeout, log_level, access_log
-    )
+def run_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None) -> int:
+    """Serve until SIGINT/SIGTERM: stop accepting, let in-flight requests finish (up to the graceful
+    timeout, then cancel them), stop the engine core, release the port. Returns the exit code: 0, or 1
+    when the engine core died."""
+    cfg = config or ServerConfig()
+    server, sock = build_server(core, tokenizer, cfg)
     app = cast("FastAPI", server.config.app)
-    print(f"swaserve: serving {app.state.model_name!r} on http://{host}:{sock.getsockname()[1]}", flush=True)
+    print(f"swaserve: serving {app.state.model_name!r} on http://{cfg.host}:{sock.getsockname()[1]}", flush=True)
 
     def stop_serving(signum: int, frame: Any) -> None:
         server.should_exit = True
@@ -97,31 +92,31 @@ def run_server(
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        # Normally stopped by the app's lifespan; this covers a forced exit that skipped it.
-        app.state.engine_client.stop(timeout=5.0)
+        client = app.state.engine_client
+        if client.core is not None:  # normally stopped by the app's lifespan; this covers a forced exit
+            client.core.stop(5.0)
+    return int(app.state.exit_code)
 
 
-def serve_main(args: argparse.Namespace, engine: Any = None) -> int:
-    """`swaserve serve` / `python -m swaserve.server`: build the engine (unless given) from the flags of
-    `swaserve.options.add_serve_flags` and serve until SIGINT/SIGTERM; returns 0."""
-    from swaserve.options import engine_options, server_config
-    from swaserve.tokenizer import load_chat_template
+def core_spec(args: argparse.Namespace, cfg: ServerConfig, chat_template: str | None) -> CoreSpec:
+    """The real engine's CoreSpec from the flags of `swaserve.options.add_serve_flags`."""
+    from swaserve.options import engine_options
+
+    kwargs = {"model": args.model, "device": args.device, "dtype": args.dtype, "chat_template": chat_template,
+              "detokenize": False, **engine_options(args)}
+    return CoreSpec("swaserve.engine:Engine", kwargs)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`swaserve serve` / `python -m swaserve.server`: an HTTP frontend (this process) and an engine-core
+    process, serving until SIGINT/SIGTERM. Returns the exit code (1: the engine core died)."""
+    from swaserve.options import server_config
+    from swaserve.tokenizer import Tokenizer, load_chat_template
 
     cfg = server_config(args)
-    if engine is None:
-        from swaserve.engine import Engine
-
-        engine = Engine(
-            getattr(args, "model", None), device=getattr(args, "device", None),
-            dtype=getattr(args, "dtype", None), chat_template=load_chat_template(cfg.chat_template),
-            **engine_options(args),
-        )
-    run_server(
-        engine, host=cfg.host, port=cfg.port, api_key=cfg.api_key, served_model_name=cfg.served_model_name,
-        max_body_bytes=cfg.max_body_bytes, graceful_timeout=cfg.graceful_timeout, log_level=cfg.log_level,
-        access_log=cfg.access_log,
-    )
-    return 0
+    template = load_chat_template(cfg.chat_template)
+    tokenizer = Tokenizer.load(args.model).with_chat_template(template)  # also checks the model path
+    return run_server(core_spec(args, cfg, template), tokenizer, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,4 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m swaserve.server", description="Run the OpenAI-compatible server.")
     add_serve_flags(parser)
-    return serve_main(parser.parse_args(argv))
+    try:
+        return serve_main(parser.parse_args(argv))
+    except ValueError as e:
+        parser.exit(2, f"python -m swaserve.server: error: {e}\n")
+        return 2

@@ -1,4 +1,5 @@
-"""Typed messages crossing the event loop <-> engine thread boundary: `SubRequest` in, `Update` out."""
+"""Typed values between the HTTP routes and the EngineClient: `SubRequest` in, `Update` out (the IPC with
+the engine core is `swaserve.core.messages`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class SubRequest:
 
 @dataclass(slots=True)
 class Update:
-    """Engine thread -> event loop, for one sub-request: everything new since its previous update."""
+    """EngineClient -> a route, for one sub-request: everything new since its previous update."""
 
     index: int
     text: str = ""

@@ -1,7 +1,8 @@
 """Server metrics: latency histograms and request counters, written as Prometheus text (format 0.0.4).
 
-The engine thread observes; the event loop renders. Engine gauges and totals come from the snapshot
-the engine thread publishes after every step, so rendering never calls into the engine.
+The frontend's event loop observes and renders. Engine gauges and totals come from the counters the
+engine core sends with every step (`Engine.counters()` names: the keys of `LLM.stats()`), so
+rendering never waits on the engine.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Histogram:
         self.bounds = tuple(bounds)
         self._counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; last is +Inf
         self._sum = 0.0
-        self._lock = threading.Lock()  # observe (engine thread) vs render (event loop)
+        self._lock = threading.Lock()  # observers and renderers may sit on different threads
 
     def observe(self, value: float, times: int = 1) -> None:
         if not math.isfinite(value):

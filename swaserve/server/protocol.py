@@ -1,7 +1,7 @@
 """OpenAI wire schemas the server accepts (completions, chat), and the OpenAI-style error body.
 
 Validation here is shape and range only; whatever needs the tokenizer or the context length (prompt
-too long, token ids outside the vocabulary) is checked where the tokenizer lives, in the engine thread.
+too long, token ids outside the vocabulary) is checked where the tokenizer lives (the EngineClient) or by the engine core.
 """
 
 from __future__ import annotations

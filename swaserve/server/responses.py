@@ -7,6 +7,8 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from swaserve.server.generation import Generation
 from swaserve.server.messages import Update
 from swaserve.server.protocol import APIError
@@ -14,8 +16,14 @@ from swaserve.server.protocol import APIError
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI-compatible servers clamp like this
 
 
+_encode = msgspec.json.Encoder().encode
+
+
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
+    try:
+        return _encode(obj)  # ~5x faster than json.dumps on a chunk; UTF-8, no ASCII escapes
+    except (UnicodeEncodeError, TypeError, OverflowError):  # lone surrogates, exotic values
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 
 def sse(obj: Any) -> bytes:

@@ -179,3 +179,12 @@ class FakeEngine:
             req.finish_reason = "length"
         if req.finish_reason is not None and not req.detok.stopped:
             req.detok.flush()
+
+
+class FailingEngine(FakeEngine):
+    """Raises from step() while a request whose prompt contains BOOM is running."""
+
+    def step(self) -> list[RequestOutput]:
+        if any(b"BOOM" in bytes(t % 256 for t in r.prompt_ids) for r in self.running):
+            raise RuntimeError("simulated engine failure")
+        return super().step()

@@ -1,4 +1,5 @@
-"""`python tests/e2e/fake_server.py --port 0`: the real server over FakeEngine, for subprocess tests."""
+"""`python tests/e2e/fake_server.py --port 0`: the real server (frontend + engine-core process) over
+FakeEngine, for subprocess tests."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fake_engine import FakeEngine
+from fake_engine import FakeTokenizer
 
-from swaserve.options import add_server_flags
-from swaserve.server.launch import serve_main
+from swaserve.core.engine_core import CoreSpec
+from swaserve.options import add_server_flags, server_config
+from swaserve.server.launch import run_server
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--step-delay", type=float, default=0.002)
     add_server_flags(parser)
     args = parser.parse_args()
-    sys.exit(serve_main(args, engine=FakeEngine(step_delay=args.step_delay)))
+    spec = CoreSpec("fake_engine:FakeEngine", {"step_delay": args.step_delay})
+    sys.exit(run_server(spec, FakeTokenizer(), server_config(args)))

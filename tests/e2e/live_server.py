@@ -1,4 +1,5 @@
-"""LiveServer: a uvicorn server on 127.0.0.1 (free port) in a background thread, and /metrics parsing."""
+"""LiveServer: the server on 127.0.0.1 (free port): its engine core in a process of its own, uvicorn in a
+background thread of the test process; and /metrics parsing."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from typing import Any
 import httpx
 import openai
 
+from swaserve.config import ServerConfig
+from swaserve.core.engine_core import CoreSpec
 from swaserve.server.launch import build_server
+
+FAKE_ENGINE = "fake_engine:FakeEngine"
 
 
 @dataclass
 class LiveServer:
     url: str
-    engine: Any
+    spec: CoreSpec
     server: Any
     thread: threading.Thread
     model: str
@@ -49,14 +54,27 @@ class LiveServer:
                 return m
             time.sleep(0.05)
 
+    @property
+    def client_state(self) -> Any:
+        return self.server.config.app.state.engine_client
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive(), "server thread did not exit"
 
 
-def start_server(engine: Any, **kw: Any) -> LiveServer:
-    server, sock = build_server(engine, host="127.0.0.1", port=0, **kw)
+def fake_spec(factory: str = FAKE_ENGINE, **kwargs: Any) -> CoreSpec:
+    return CoreSpec(factory, kwargs)
+
+
+def start_server(spec: CoreSpec, tokenizer: Any = None, **kw: Any) -> LiveServer:
+    """`tokenizer` None: the fake engine's toy tokenizer."""
+    if tokenizer is None:
+        from fake_engine import FakeTokenizer
+
+        tokenizer = FakeTokenizer()
+    server, sock = build_server(spec, tokenizer, ServerConfig(host="127.0.0.1", port=0, **kw))
     port = sock.getsockname()[1]
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -65,7 +83,7 @@ def start_server(engine: Any, **kw: Any) -> LiveServer:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("server did not start")
         time.sleep(0.01)
-    return LiveServer(f"http://127.0.0.1:{port}", engine, server, thread, server.config.app.state.model_name)
+    return LiveServer(f"http://127.0.0.1:{port}", spec, server, thread, server.config.app.state.model_name)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$")

@@ -80,12 +80,13 @@ def _send(client: httpx.Client, method: str, path: str, body: dict | bytes | Non
     return client.request(method, path, json=body)
 
 
-def test_bad_inputs_while_a_stream_runs(fake_server):
+def test_bad_inputs_while_a_stream_runs(fake_server, slow_server):
     assert len(CASES) >= 25
-    client = fake_server.client()
     kw = {"model": fake_server.model, "prompt": "a long one", "max_tokens": 480, "temperature": 0.0,
           "extra_body": {"ignore_eos": True}}
-    expected = client.completions.create(**kw).choices[0].text
+    expected = fake_server.client().completions.create(**kw).choices[0].text  # the toy model is deterministic
+    # The slow engine (20 ms a step) keeps the stream running while every bad request is answered.
+    client = slow_server.client()
     result: dict[str, object] = {}
 
     def long_stream() -> None:
@@ -98,35 +99,30 @@ def test_bad_inputs_while_a_stream_runs(fake_server):
         result["text"] = "".join(parts)
         result["done"] = time.monotonic()
 
-    # Slow the toy model down (a plain attribute the engine thread reads) so the stream outlasts the table.
-    fake_server.engine.step_delay = 0.01
-    try:
-        runner = threading.Thread(target=long_stream)
-        runner.start()
-        while "started" not in result and runner.is_alive():
-            time.sleep(0.005)
-        failures = []
-        with httpx.Client(base_url=fake_server.url, timeout=30) as http:
-            for name, method, path, body, status, needle in CASES:
-                r = _send(http, method, path, body)
-                try:
-                    err = r.json()["error"]
-                    ok = (r.status_code == status and set(err) == {"message", "type", "param", "code"}
-                          and needle.lower() in err["message"].lower())
-                except Exception:  # noqa: BLE001
-                    ok, err = False, r.text
-                if not ok:
-                    failures.append(f"{name}: {r.status_code} {err}")
-        bad_done = time.monotonic()
-        runner.join(60)
-    finally:
-        fake_server.engine.step_delay = 0.002
+    runner = threading.Thread(target=long_stream)
+    runner.start()
+    while "started" not in result and runner.is_alive():
+        time.sleep(0.005)
+    failures = []
+    with httpx.Client(base_url=slow_server.url, timeout=30) as http:
+        for name, method, path, body, status, needle in CASES:
+            r = _send(http, method, path, body)
+            try:
+                err = r.json()["error"]
+                ok = (r.status_code == status and set(err) == {"message", "type", "param", "code"}
+                      and needle.lower() in err["message"].lower())
+            except Exception:  # noqa: BLE001
+                ok, err = False, r.text
+            if not ok:
+                failures.append(f"{name}: {r.status_code} {err}")
+    bad_done = time.monotonic()
+    runner.join(60)
     assert not failures, "\n".join(failures)
     assert result.get("text") == expected and result.get("finish") == "length"
     assert result["done"] > bad_done, "the long stream should still have been running"
-    m = fake_server.wait_idle()
+    m = slow_server.wait_idle()
     assert m['swaserve_kv_used_tokens{pool="full"}'] == 0
-    assert httpx.get(fake_server.url + "/health").status_code == 200
+    assert httpx.get(slow_server.url + "/health").status_code == 200
 
 
 def test_error_bodies_name_the_parameter(fake_server):

@@ -11,14 +11,15 @@ NUM_REQUESTS = 200
 CONCURRENCY = 128
 
 
-def make_workload(num_unique: int, max_out: int, seed: int = 0) -> list[dict]:
+def make_workload(num_unique: int, max_out: int, seed: int = 0, chat: bool = True) -> list[dict]:
+    """`chat=False`: completions only (a base model without a chat template)."""
     rng = random.Random(seed)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "sliding", "windows", "keep", "memory", "small"]
     specs = []
     for i in range(num_unique):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 24)))
         spec = {"max_tokens": rng.randint(1, max_out), "temperature": 0.0}
-        if i % 3 == 2:
+        if chat and i % 3 == 2:
             specs.append({"kind": "chat", "messages": [{"role": "user", "content": text}], **spec})
         else:
             specs.append({"kind": "completion", "prompt": text, **spec})

@@ -22,15 +22,13 @@ def test_real_completion_stream_matches(real_server):
     assert ids.usage.prompt_tokens == 6
 
 
-def test_real_chat(real_server):
-    c = real_server.client()
-    msgs = [{"role": "user", "content": "Say hello."}]
-    r = c.chat.completions.create(model=real_server.model, messages=msgs, max_tokens=6, temperature=0)
-    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 6
-    chunks = list(c.chat.completions.create(model=real_server.model, messages=msgs, max_tokens=6, temperature=0,
-                                            stream=True))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+def test_real_chat_on_base_model_is_a_400(real_server):
+    """The embedded model is a base model without a chat template: chat is refused, not guessed."""
+    body = {"model": real_server.model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6}
+    r = httpx.post(real_server.base_url + "/chat/completions", json=body, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and "no chat template" in err["message"] and err["param"] == "messages"
+    assert "--chat-template" in err["message"]
 
 
 def test_real_bad_inputs(real_server):
@@ -66,4 +64,4 @@ def test_real_nonstream_disconnect_frees_memory(real_server):
 
 
 def test_real_load_200_at_concurrency_128(real_server):
-    run_load(real_server, make_workload(24, 6, seed=3), 200, 128, timeout=240)
+    run_load(real_server, make_workload(24, 6, seed=3, chat=False), 200, 128, timeout=240)

@@ -1,0 +1,210 @@
+"""EngineCore: the engine-core process's busy loop (poll inputs, step, send one message per step), and its
+entry point `python -m swaserve.core`. One core per engine; a tensor-parallel engine runs one per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from swaserve.core.messages import (
+    AbortRequests,
+    AddRequest,
+    Codec,
+    Ready,
+    Rejected,
+    RequestDelta,
+    Shutdown,
+    StartupFailed,
+    StepOutputs,
+)
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 500  # an idle core wakes this often to check that its frontend is alive
+NAP_MS = 5  # work that cannot be scheduled yet: wait this long for an input instead of spinning
+
+
+class CoreSpec(msgspec.Struct, frozen=True):
+    """What the engine-core process builds: `factory` ("module:callable") called with `kwargs` (JSON
+    values). The default is the real Engine; tests name a fake engine with the same contract."""
+
+    factory: str = "swaserve.engine:Engine"
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def build(self) -> Any:
+        module, _, attr = self.factory.partition(":")
+        return getattr(importlib.import_module(module), attr)(**self.kwargs)
+
+
+class EngineCore:
+    """Drives one engine: the only thread that touches it.
+
+    Loop: take every input that arrived (without waiting while there is work), step the engine once,
+    send one `StepOutputs` with every request's new token ids (detokenizing is the frontend's job).
+    Invariants: `_sent[rid]` counts the tokens of live request `rid` already sent; a request leaves
+    it when it finishes, is aborted or fails. The loop ends on `Shutdown`, or when the frontend
+    (`parent_pid`) is gone, so no orphan core keeps holding the device.
+    """
+
+    def __init__(self, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None):
+        self.engine = engine
+        self.inbox, self.outbox = inbox, outbox
+        self.parent_pid = parent_pid
+        self.codec = Codec()
+        self._sent: dict[str, tuple[int, int]] = {}  # rid -> (tokens, logprobs) sent
+        self._accepted: list[str] = []
+        self._rejected: list[Rejected] = []
+        self._failed: list[str] = []
+        self._changed = False
+
+    def run(self) -> None:
+        poll_ms = 0
+        last_parent_check = time.monotonic()
+        while True:
+            busy = self.engine.has_unfinished()
+            if self.inbox.poll(poll_ms if busy else IDLE_POLL_MS):
+                if not self._drain():
+                    return
+            now = time.monotonic()
+            if now - last_parent_check > IDLE_POLL_MS / 1000:
+                last_parent_check = now
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    logger.warning("engine core: the frontend is gone; exiting")
+                    return
+            deltas: list[RequestDelta] = []
+            poll_ms = 0
+            if self.engine.has_unfinished():
+                t0 = time.monotonic()
+                try:
+                    deltas = self._deltas(self.engine.step())
+                except Exception:
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._fail_all()
+                if not deltas and time.monotonic() - t0 < 1e-3:
+                    poll_ms = NAP_MS
+                self._changed = True
+            if self._changed:
+                self._send(deltas)
+
+    def _drain(self) -> bool:
+        """Apply every queued input; False on Shutdown."""
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            msg = self.codec.decode_to_core(data)
+            self._changed = True
+            if isinstance(msg, AddRequest):
+                self._add(msg)
+            elif isinstance(msg, AbortRequests):
+                for rid in msg.request_ids:
+                    self._sent.pop(rid, None)
+                    self.engine.abort(rid)
+            elif isinstance(msg, Shutdown):
+                return False
+
+    def _add(self, msg: AddRequest) -> None:
+        from swaserve.request import SamplingParams
+
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_ids, SamplingParams(**msg.sampling))
+        except ValueError as e:
+            self._rejected.append(Rejected(msg.request_id, 400, str(e)))
+            return
+        except Exception:
+            logger.exception("add_request failed")
+            self._rejected.append(Rejected(msg.request_id, 500, "internal engine error"))
+            return
+        self._sent[msg.request_id] = (0, 0)
+        self._accepted.append(msg.request_id)
+
+    def _deltas(self, outputs: list[Any]) -> list[RequestDelta]:
+        deltas = []
+        for out in outputs:
+            sent = self._sent.get(out.request_id)
+            if sent is None:  # aborted while its step ran
+                continue
+            comp = out.outputs[0]
+            ids = comp.token_ids
+            new = list(ids[sent[0] :])
+            lps = None
+            if comp.logprobs is not None:
+                lps = list(comp.logprobs[sent[1] :])
+            if out.finished:
+                del self._sent[out.request_id]
+            else:
+                self._sent[out.request_id] = (len(ids), sent[1] + len(lps or ()))
+            if new or out.finished:
+                deltas.append(RequestDelta(out.request_id, new, lps, (comp.finish_reason or "stop") if out.finished else None))
+        return deltas
+
+    def _fail_all(self) -> None:
+        for rid in list(self._sent):
+            self._failed.append(rid)
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+        self._sent.clear()
+
+    def _send(self, deltas: list[RequestDelta]) -> None:
+        msg = StepOutputs(deltas, self._accepted, self._rejected, self._failed, counters(self.engine))
+        self._accepted, self._rejected, self._failed = [], [], []
+        self._changed = False
+        self.outbox.send(self.codec.encode(msg))
+
+
+def counters(engine: Any) -> dict[str, int]:
+    """The engine's counters (`Engine.counters()`, or memory_stats + stats for engines without it)."""
+    if hasattr(engine, "counters"):
+        return {k: int(v) for k, v in engine.counters().items()}
+    snap = {k: int(v) for k, v in engine.memory_stats().items() if isinstance(v, (int, float))}
+    for key in ("prompt_tokens_total", "generation_tokens_total", "retractions_total"):
+        snap[key] = int(getattr(engine.stats, key, 0))
+    return snap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m swaserve.core", description="Run one engine core.")
+    parser.add_argument("--spec", required=True, help="CoreSpec as JSON")
+    parser.add_argument("--input", required=True, help="ZeroMQ address the frontend pushes inputs to")
+    parser.add_argument("--output", required=True, help="ZeroMQ address the core pushes outputs to")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    args = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group; the frontend decides when the core stops (Shutdown).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.dup2(2, 1)  # stdout belongs to the frontend (its startup line); anything printed here goes to stderr
+    logging.basicConfig(level=logging.WARNING, format="swaserve core: %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(args.input)
+    outbox.connect(args.output)
+    codec = Codec()
+    try:
+        engine = msgspec.json.decode(args.spec, type=CoreSpec).build()
+    except Exception as e:
+        if not isinstance(e, ValueError):
+            logger.exception("engine core failed to start")
+        outbox.send(codec.encode(StartupFailed(type(e).__name__, str(e))))
+        outbox.close(linger=2000)
+        return 1
+    name = getattr(engine, "model_name", None) or "swaserve"
+    outbox.send(codec.encode(Ready(name, int(engine.model_config.max_context), os.getpid())))
+    EngineCore(engine, inbox, outbox, args.parent_pid).run()
+    inbox.close(linger=0)
+    outbox.close(linger=1000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""CoreProcess: the frontend's handle on one engine-core process: starts it (`python -m swaserve.core`),
+owns the two ZeroMQ sockets to it, waits for it to be ready, and stops or kills it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgspec
+import zmq
+
+from swaserve.core.engine_core import CoreSpec
+from swaserve.core.messages import Codec, Ready, Shutdown, StartupFailed, ToCore
+
+
+class CoreStartupError(RuntimeError):
+    """The engine core exited or failed before it was ready."""
+
+
+class CoreProcess:
+    """One engine core and its IPC endpoints (ipc:// sockets in a private temp directory).
+
+    Inputs go out on a PUSH socket, outputs come back on a PULL socket (`outputs`, which the caller
+    may shadow with an asyncio socket once the core is ready). Sending never blocks: the queue
+    toward the core is unbounded. The core exits on `Shutdown` or when this process dies.
+    """
+
+    def __init__(self, spec: CoreSpec):
+        self.spec = spec
+        self._dir = tempfile.mkdtemp(prefix="swaserve-core-")
+        self.input_addr = f"ipc://{self._dir}/in"
+        self.output_addr = f"ipc://{self._dir}/out"
+        self._ctx = zmq.Context()
+        self._inputs = self._ctx.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._inputs.bind(self.input_addr)
+        self.outputs = self._ctx.socket(zmq.PULL)
+        self.outputs.setsockopt(zmq.RCVHWM, 0)
+        self.outputs.bind(self.output_addr)
+        self.codec = Codec()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 1800.0) -> Ready:
+        """Start the core and wait until its engine is built; raises ValueError for bad input (a model
+        path that does not exist, ...) and CoreStartupError for anything else."""
+        # The core must import what this process can (e.g. a test's fake engine next to the test).
+        path = os.pathsep.join(p for p in sys.path if p)
+        env = {**os.environ, "PYTHONPATH": path + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        cmd = [sys.executable, "-m", "swaserve.core", "--spec", msgspec.json.encode(self.spec).decode(),
+               "--input", self.input_addr, "--output", self.output_addr, "--parent-pid", str(os.getpid())]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.outputs.poll(100):
+                msg = self.codec.decode_from_core(self.outputs.recv())
+                if isinstance(msg, Ready):
+                    return msg
+                if isinstance(msg, StartupFailed):
+                    self.proc.wait(30)
+                    raise (ValueError if msg.error_type == "ValueError" else CoreStartupError)(msg.message)
+            if self.proc.poll() is not None:
+                raise CoreStartupError(f"the engine core exited with code {self.proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise CoreStartupError(f"the engine core was not ready within {timeout:.0f} s")
+
+    def send(self, msg: ToCore) -> None:
+        self._inputs.send(self.codec.encode(msg), zmq.NOBLOCK)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Ask the core to exit, wait up to `timeout` s (then kill it); its exit code."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.send(Shutdown())
+            except zmq.ZMQError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.close()
+        return self.proc.returncode if self.proc is not None else None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def close(self) -> None:
+        self._inputs.close(linger=0)
+        self.outputs.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
