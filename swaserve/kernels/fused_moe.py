@@ -28,7 +28,7 @@ def align_pairs(
     N, E, dev = n * k, num_experts, topk_ids.device
     ids = topk_ids.reshape(-1).long()
     if row_valid is not None:
-        ids = torch.where(row_valid.repeat_interleave(k), ids, E)  # the sentinel expert E sorts last
+        ids = torch.where(row_valid[:, None].expand(n, k).reshape(-1), ids, E)  # sentinel expert E sorts last
     counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))[:E]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)  # [E] padded end of each expert's run
@@ -42,9 +42,8 @@ def align_pairs(
     dest = torch.where(real, starts[e] + rank, -1)
     max_blocks = triton.cdiv(N + E * (block_m - 1), block_m)
     sorted_pairs = torch.full((max_blocks * block_m + 1,), N, dtype=torch.int32, device=dev)
-    # Sentinel pairs (invalid rows) go to the spare last element, which no block reads.
+    # Sentinel pairs (invalid rows) go to the spare last element, which is cut off below.
     sorted_pairs.scatter_(0, torch.where(dest >= 0, dest, max_blocks * block_m), order.to(torch.int32))
-    sorted_pairs[-1] = N
     block_start = torch.arange(max_blocks, device=dev) * block_m
     be = torch.searchsorted(ends, block_start, right=True)  # first expert whose padded run ends after it
     block_expert = torch.where(be < E, be, -1).to(torch.int32)

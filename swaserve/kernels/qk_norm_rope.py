@@ -141,7 +141,10 @@ def qk_norm_rope_store(
         return
     half = head_dim // 2
     _qk_norm_rope_store_kernel[(T, num_heads + (num_kv_heads if has_kv else 0))](
-        qkv, cos, sin, q_weight if q_weight is not None else cos, k_weight if k_weight is not None else cos,
+        # A missing k weight (q only) is passed as the q weight: both branches of the kernel's weight
+        # select must have one pointer type when compiled (the interpreter does not check).
+        qkv, cos, sin, q_weight if q_weight is not None else cos,
+        k_weight if k_weight is not None else (q_weight if q_weight is not None else cos),
         k_buf if has_kv else qkv, v_buf if has_kv else qkv, locs if has_kv else cos,
         loc_map if loc_map is not None else (locs if has_kv else cos),
         qkv.stride(0), cos.stride(0), k_buf.stride(0) if has_kv else 0, k_buf.stride(1) if has_kv else 0,
