@@ -14,6 +14,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -153,8 +154,7 @@ def launch_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     for flag in ("model", "device", "dtype"):
         if getattr(args, f"server_{flag}"):
             cmd += [f"--{flag}", getattr(args, f"server_{flag}")]
-    for opt in args.engine_option:
-        cmd += ["--engine-option", opt]
+    cmd += shlex.split(args.server_args)
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
     line = proc.stdout.readline() if proc.stdout else ""
@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--server-model", default=None, help="default: the embedded model")
     g.add_argument("--server-device", default=None)
     g.add_argument("--server-dtype", default=None)
-    g.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    g.add_argument("--server-args", default="", help="more flags for the server, e.g. '--max-running-requests 256 "
+                   "--stream-interval 4' (the flags of `swaserve serve`)")
     g.add_argument("--launch-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     if args.num_prompts < 1 or not 0 <= args.random_range_ratio < 1:

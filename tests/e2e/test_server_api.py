@@ -222,3 +222,25 @@ def test_chat_stream_n2(fake_server):
         finish[c.index] = c.finish_reason or finish[c.index]
     assert roles == {0, 1}
     assert texts == [c.message.content for c in whole.choices] and finish == ["length", "length"]
+
+
+def test_stream_interval_batches_tokens():
+    """--stream-interval 4: the first token at once, then chunks of 4 tokens, the end at once; the text,
+    finish reason and usage are the same as one token per chunk."""
+    from live_server import fake_spec, start_server
+
+    live = start_server(fake_spec(), stream_interval=4)
+    try:
+        body = {"model": live.model, "prompt": "chunky", "max_tokens": 19, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0}
+        with httpx.Client(timeout=30) as http, http.stream("POST", live.base_url + "/completions", json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        counts = [len(c["logprobs"]["tokens"]) for c in chunks]
+        assert counts == [1, 4, 4, 4, 4, 2], counts
+        assert chunks[-1]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 19
+        whole = live.client().completions.create(model=live.model, prompt="chunky", max_tokens=19, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        assert "".join(c["text"] for c in chunks) == whole.choices[0].text
+    finally:
+        live.stop()
