@@ -231,18 +231,17 @@ def launch(args: argparse.Namespace, engine_flags: list[str]) -> tuple[subproces
 
 
 def make_random_model(shape: str, path: str) -> None:
-    """An HF directory of Gemma 3 `shape` with random weights and the embedded model's tokenizer."""
+    """An HF directory of Gemma 3 `shape` with random weights (transformers' own init, bf16) and the
+    embedded model's tokenizer, for `--model`."""
     import torch
-    from safetensors.torch import save_file
+    from transformers import Gemma3ForCausalLM
 
-    from benchmarks.common import gemma3_hf_config, random_model
+    from benchmarks.common import gemma3_hf_config
     from swaserve.tokenizer import Tokenizer
 
-    os.makedirs(path, exist_ok=True)
-    loaded = random_model(shape, torch.device("cpu"), torch.bfloat16)
-    gemma3_hf_config(shape).save_pretrained(path)
-    state = {f"model.{k}" if not k.startswith("model.") else k: v.contiguous() for k, v in loaded.model.state_dict().items()}
-    save_file(state, os.path.join(path, "model.safetensors"))
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(gemma3_hf_config(shape)).to(torch.bfloat16)
+    model.save_pretrained(path)
     Tokenizer.load(None).hf.save_pretrained(path)
     print(f"wrote a random-weight Gemma 3 {shape} directory to {path}")
 
