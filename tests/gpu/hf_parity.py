@@ -57,7 +57,9 @@ def ours_greedy(hf_model, dtype: torch.dtype, prompts: list[list[int]], s: Setup
             logits[batch.reqs[i].rid].append(lg[j])
         rt.scheduler.process_output(batch, lg.argmax(-1).tolist())
     assert rt.scheduler.retractions_total == 0
-    assert replays and all(raw == len(prompts) and bs == s.max_running for raw, bs in replays), replays
+    # Decode graphs ran, some with padded rows (requests start and finish decoding at different steps
+    # under mixed scheduling, so the live count varies).
+    assert replays and any(raw < bs for raw, bs in replays), replays
     out = [torch.stack(logits[r.rid]) for r in reqs], [r.output_ids for r in reqs], replays
     del rt, model
     gc.collect()  # the replay counter's closure makes a cycle that holds the runner (and weights)

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 import swaserve.tokenizer as tokmod
 from swaserve.loader.gguf import read_gguf_header
-from swaserve.tokenizer import Tokenizer
+from swaserve.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
 TEXTS = [
     "Hello world",
@@ -121,12 +121,16 @@ def _split(text: str, token: str, token_id: int) -> list[str | int]:
 
 
 def test_stop_ids_and_sizes(tok: Tokenizer) -> None:
-    assert tok.eos_token_ids == [1, 106]  # <eos>, <end_of_turn>
+    assert tok.eos_token_ids == [1]  # the base model has no template, so no turn end
+    assert tok.with_chat_template(GEMMA_CHAT_TEMPLATE).eos_token_ids == [1, 106]  # <eos>, <end_of_turn>
     assert tok.hf.convert_ids_to_tokens(106) == "<end_of_turn>"
     assert tok.vocab_size == 262144 and tok.bos_token_id == 2
 
 
 def test_gemma_chat_template(tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    tok = tok.with_chat_template(GEMMA_CHAT_TEMPLATE)
     two_turns = [
         {"role": "user", "content": "Hi!"},
         {"role": "assistant", "content": "Hello, how can I help?"},
