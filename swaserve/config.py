@@ -219,6 +219,9 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
+    load_format: str = _opt("auto", "weights: auto (from the model files) or dummy (random weights in the model's "
+                            "shapes, for benchmarks; an HF directory then needs only config.json)",
+                            choices=("auto", "dummy"))
     attention_backend: str | None = _opt(None, "attention backend (default: triton on CUDA, torch_native elsewhere)",
                                          choices=("triton", "torch_native"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on the GPU")

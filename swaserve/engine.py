@@ -87,7 +87,8 @@ class Engine:
 
         cache_cfg, sched_cfg, runner_cfg = split_engine_options(engine_options)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, self.device, self.dtype)
+        loaded = (model if isinstance(model, LoadedModel)
+                  else load_model(model, self.device, self.dtype, load_format=runner_cfg.load_format))
         cap = sched_cfg.max_context or (CPU_DEFAULT_MAX_CONTEXT if self.device.type == "cpu" else None)
         config = loaded.config
         if cap is not None:
