@@ -26,7 +26,7 @@ DEV = "cuda"
 PROMPT_LENS = (300, 1023, 1024, 1025, 2100)
 STEPS = 24
 SETUP = hf_parity.Setup(steps=STEPS, max_context=4096, prefill_chunk=1024, kv_cache_bytes=2 << 30)
-FP32_ATOL = 2e-3  # 6 layers of 2816-wide sums with a 30 soft-cap: ~1e-4 typical
+FP32_ATOL = 3e-3  # measured ~1e-3 (6 layers of 2816-wide sums, 8 of 128 experts per token)
 BF16_GAP = 0.5  # see test_gemma3_1b_vs_hf.py: bf16 may part from HF only where HF's top two are close
 
 
@@ -38,10 +38,17 @@ def hf_fp32():
     with torch.device(DEV):
         model = tf.Gemma4ForCausalLM(cfg).eval()
     g = torch.Generator(device=DEV).manual_seed(0)
-    with torch.no_grad():  # HF inits norms and output scalars at 1: jitter them so their loading matters
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+            if p.ndim >= 2:  # HF's std 0.02 leaves the embedding in charge: every prompt greedily repeats one token
+                p.normal_(0.0, 0.05, generator=g)
+            elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                # Jittered so their loading matters. q/k norms also scaled down: with scaling 1.0 and unit
+                # weights the scores are ~N(0, 22) and softmax is an argmax that bf16 noise flips at
+                # random (HF's own bf16 then differs from its fp32 by logits of 7-10, measured).
                 p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g, device=DEV))
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.mul_(0.25)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.fill_(0.9)

@@ -45,14 +45,18 @@ class Harness:
         max_reqs: int = 8,
         max_context: int = 256,
         dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        backend: str = "torch_native",
     ):
+        """`device`/`backend`: the GPU diagnostics drive the same harness on CUDA, either backend."""
         self.config = config
+        self.device = device
         self.hybrid = hybrid and config.is_hybrid
-        self.table = ReqToTokenPool(max_reqs, max_context)
-        self.kv = SWAKVPool.build(config, full_tokens, swa_tokens, hybrid=self.hybrid, dtype=dtype)
+        self.table = ReqToTokenPool(max_reqs, max_context, device=device)
+        self.kv = SWAKVPool.build(config, full_tokens, swa_tokens, hybrid=self.hybrid, dtype=dtype, device=device)
         self.full, self.swa = self.kv.full, self.kv.swa if self.kv.swa_space else None
         if self.hybrid:
-            self.alloc = SWATokenToKVPoolAllocator(full_tokens, swa_tokens)
+            self.alloc = SWATokenToKVPoolAllocator(full_tokens, swa_tokens, device=device)
             self.evictor = SWAEvictor(self.alloc, self.table, config.sliding_window, margin=0, chunk=1)
             f2s = self.alloc.full_to_swa_device
         else:
@@ -61,7 +65,7 @@ class Harness:
             for i in range(pool.num_layers):
                 pool.k_buffer(i)[0] = float("nan")
                 pool.v_buffer(i)[0] = float("nan")
-        self.runner = ModelRunner(config, model, self.kv, self.table, f2s, "cpu", dtype, "torch_native")
+        self.runner = ModelRunner(config, model, self.kv, self.table, f2s, device, dtype, backend)
         self.reqs: dict[int, _Req] = {}
 
     def add_request(self) -> int:
@@ -93,7 +97,7 @@ class Harness:
             req_pool_indices=rows,
             seq_lens=[p + len(c) for p, c in zip(prefix, chunks)],
             out_cache_loc=torch.cat(locs),
-            device="cpu",
+            device=self.device,
             extend_prefix_lens=None if mode is ForwardMode.DECODE else prefix,
             extend_seq_lens=None if mode is ForwardMode.DECODE else [len(c) for c in chunks],
         )
