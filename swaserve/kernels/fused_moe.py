@@ -161,7 +161,11 @@ def fused_moe(
     return out.to(x.dtype)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(y: torch.Tensor, weights: torch.Tensor, rows: int = 2048) -> torch.Tensor:
     """`[n, k, H]` expert outputs, `[n, k]` weights -> `[n, H]` float32: one reduction over the k slots,
-    whose order depends on k and H only (not on n or the routing), so a row's sum is reproducible."""
-    return (y.float() * weights[:, :, None]).sum(1)
+    whose order depends on k and H only (not on n or the routing), so a row's sum is reproducible.
+    In blocks of `rows` tokens: the float32 products of a long prefill would need n*k*H*4 bytes."""
+    out = torch.empty(y.shape[0], y.shape[2], dtype=torch.float32, device=y.device)
+    for i in range(0, y.shape[0], rows):
+        out[i : i + rows] = (y[i : i + rows].float() * weights[i : i + rows, :, None]).sum(1)
+    return out

@@ -3,10 +3,8 @@
 (5 sliding : 1 full), random weights, vs HF transformers on CUDA: prompts around and past the window
 batched through the scheduler (chunked prefill, triton attention, fused MoE, CUDA-graph decode with
 padded rows), greedy, vs HF `generate` per prompt. fp32: identical tokens (near-ties excused) and
-logits within 3e-3 of HF's, up to one routing flip: a token whose 8th and 9th experts are nearly tied
-may pick the other under a different GEMM tiling (measured: 4 prompts at 2.6e-5, the 1025-token one,
-prefilled in chunks of 1024 + 1, at 1.3e-2 through all its steps; the same prompt prefilled in one
-chunk matches to 2.6e-5); bf16: parts from HF only at near-ties.
+logits within 3e-3 of HF's (router weights scaled so top-8 choices are not near ties); bf16: parts from
+HF only at near-ties.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ DEV = "cuda"
 PROMPT_LENS = (300, 1023, 1024, 1025, 2100)
 STEPS = 24
 SETUP = hf_parity.Setup(steps=STEPS, max_context=4096, prefill_chunk=1024, kv_cache_bytes=2 << 30)
-FP32_ATOL = 3e-3  # measured 2.6e-5 (6 layers of 2816-wide sums, 8 of 128 experts per token)
-ROUTING_FLIP_ATOL = 5e-2  # one token's top-k flipped at a near-tie: a bounded, local difference
+FP32_ATOL = 3e-3  # measured 2.6e-5 where no routing flipped (6 layers of 2816-wide sums)
 BF16_GAP = 0.5  # see test_gemma3_1b_vs_hf.py: bf16 may part from HF only where HF's top two are close
 
 
@@ -45,6 +42,12 @@ def build_hf(num_layers: int = 6):
         for name, p in model.named_parameters():
             if p.ndim >= 2:  # HF's std 0.02 leaves the embedding in charge: logits barely depend on context
                 p.normal_(0.0, 0.05, generator=g)
+                if name.endswith("router.proj.weight"):
+                    # Decisive routing, as trained routers have: at std 0.05 the 8th and 9th experts'
+                    # logits are ~0.003 apart, and fp32 rounding differences between any two
+                    # implementations flip a few tokens' top-8 per prompt (measured: logit jumps of
+                    # 1.3-1.6 at single steps of one prompt).
+                    p.mul_(50.0)
             elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 # Jittered so their loading matters. q/k norms also scaled down: with scaling 1.0 and unit
                 # weights the scores are ~N(0, 22) and softmax is an argmax that bf16 noise flips at
@@ -80,12 +83,9 @@ def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]]) -> list[dict
 
 
 def test_fp32_tokens_identical_to_hf(hf_fp32, prompts):
-    rows = compare(hf_fp32, torch.float32, prompts)
-    flipped = [r for r in rows if r["max_logit_diff"] >= FP32_ATOL]
-    assert len(flipped) <= 1, f"fp32 logits differ from HF on {len(flipped)} prompts: {flipped}"
-    for row in rows:
+    for row in compare(hf_fp32, torch.float32, prompts):
         d = row["first_divergence"]
-        assert row["max_logit_diff"] < ROUTING_FLIP_ATOL, f"fp32 logits differ from HF: {row}"
+        assert row["max_logit_diff"] < FP32_ATOL, f"fp32 logits differ from HF: {row}"
         near_tie = d is not None and row["hf_gap_at_divergence"] < 2 * FP32_ATOL
         assert d is None or near_tie, f"fp32 greedy tokens differ from HF: {row}"
         # Random weights greedily repeat a token after a few steps (recorded as unique_tokens), so the
