@@ -2,7 +2,8 @@
 # Gemma 4 on the GPU machine, from the repo root: `bash scripts/gpu_gemma4.sh [step ...]`.
 # Steps: kernels (MoE + attention kernel tests, natively), parity (6-layer 26B-A4B shape vs HF), decode
 # (bs 1/16/64 x ctx 1k/8k vs the active-expert roofline), serve (200 requests @ 128 through `swaserve
-# serve` on a random-weight 26B-A4B directory), capacity (hybrid vs one pool). Logs in $OUT/<step>.log;
+# serve` on a random-weight 26B-A4B directory), capacity (hybrid vs one pool); for issue 21:
+# served_vs_offline (its 256-request set on a random Gemma-3-1B) and stress_1b (200 @ 128). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -27,11 +28,11 @@ run() {  # run NAME LIMIT_S CMD...
     NAMES+=("$name") RESULTS+=("rc=$rc $((SECONDS - start))s: $(grep -E 'passed|failed|PASS|FAIL|concurrency ratio' "$OUT/$name.log" | tail -n 1 | cut -c1-110)")
 }
 
-model_dir() {  # a config-only 26B-A4B directory (random weights via --load-format dummy) with the tokenizer
-    local d=/tmp/gemma4-26b-a4b
+model_dir() {  # model_dir SHAPE: a config-only directory (random weights via --load-format dummy) with the tokenizer
+    local d=/tmp/model-$1
     mkdir -p "$d" && cp .gpu_assets/gemma_tok/* "$d"/
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import gemma4_hf_config; \
-gemma4_hf_config('26b-a4b', max_positions=16384).save_pretrained('$d')"
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import hf_config; \
+hf_config('$1', max_positions=16384).save_pretrained('$d')"
     echo "$d"
 }
 
@@ -51,10 +52,18 @@ for step in "${steps[@]}"; do
         moe_bench)
             run moe_bench 90 python3 benchmarks/moe_kernel.py ;;
         serve)
-            d=$(model_dir)
+            d=$(model_dir gemma4-26b-a4b)
             run serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
                 --num-requests 200 --concurrency 128 --window 1024 --max-tokens 256 -- \
                 --max-running-requests 128 --max-context 4096 ;;
+        served_vs_offline)  # issue 21's request set on a random Gemma-3-1B
+            d=$(model_dir 1b)
+            run served_vs_offline 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
+                --num-requests 256 ;;
+        stress_1b)
+            d=$(model_dir 1b)
+            run stress_1b 300 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
+                --num-requests 200 --concurrency 128 --window 512 --max-tokens 256 -- --max-running-requests 128 ;;
         capacity)
             run capacity 170 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
         *) echo "unknown step $step" ;;
