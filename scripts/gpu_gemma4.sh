@@ -71,7 +71,7 @@ for step in "${steps[@]}"; do
         served_vs_offline)  # issue 21's request set on a random Gemma-3-1B
             d=$(model_dir 1b)
             run served_vs_offline 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
-                --num-requests 256 ;;
+                --num-requests 256 ${SVO_ARGS:-} ;;
         stress_1b)
             d=$(model_dir 1b)
             run stress_1b 300 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
