@@ -9,7 +9,19 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.activation import ACTS, gated_act
-from swaserve.kernels.common import _dot, dot_flags
+from swaserve.kernels.common import _dot, dot_flags, jit_per_batch
+from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
+
+# Up to this many pairs (n * k) one program sorts them (`_align_kernel`: one launch, the decode case);
+# above it the sort is ~30 torch ops, whose launches are small next to a prefill's GEMMs.
+ALIGN_KERNEL_MAX_PAIRS = 2048
+_ALIGN_CHUNK = 128  # pairs (or blocks) one step of the align kernel handles
+
+
+def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks every routing of `num_pairs` pairs fits in: each expert's run is padded by fewer than
+    `block_m` rows, and each used block holds at least one pair."""
+    return min(triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m), num_pairs)
 
 
 def align_pairs(
@@ -17,15 +29,28 @@ def align_pairs(
     num_experts: int,
     block_m: int,
     row_valid: torch.Tensor | None = None,  # [n] bool: False rows route nothing
+    use_kernel: bool | None = None,  # None: the one-program kernel when n*k <= ALIGN_KERNEL_MAX_PAIRS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the n*k pairs by expert into blocks of `block_m` rows, one expert per block.
 
-    Returns `sorted_pairs` `[max_blocks * block_m]` int32 (pair index t*k + j, or the sentinel n*k
-    in padding) and `block_expert` `[max_blocks]` int32 (-1: an unused block), where
-    `max_blocks = ceil((n*k + E*(block_m-1)) / block_m)` bounds every routing. Expert e's pairs are
-    in token order. Only device ops whose sizes depend on n, never on the routing: no host sync."""
+    Returns `sorted_pairs` `[blocks * block_m]` int32 (pair index t*k + j, or the sentinel n*k in
+    padding) and `block_expert` `[blocks]` int32 (-1: an unused block), `blocks = num_blocks(...)`.
+    Used blocks come first, experts in ascending order, each expert's pairs in token order. Both
+    paths give identical results and use only device work sized from n: no host sync."""
     n, k = topk_ids.shape
     N, E, dev = n * k, num_experts, topk_ids.device
+    blocks = num_blocks(N, E, block_m)
+    if use_kernel if use_kernel is not None else N <= ALIGN_KERNEL_MAX_PAIRS:
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+        valid = row_valid.view(torch.uint8) if row_valid is not None else ids  # bool as bytes
+        _align_kernel[(1,)](
+            ids, valid, sorted_pairs, block_expert, N, blocks,
+            TOP_K=k, E=E, E_PAD=triton.next_power_of_2(E), HAS_VALID=row_valid is not None,
+            BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, num_warps=4, **pdl_kwargs(ids),
+        )
+        return sorted_pairs, block_expert
     ids = topk_ids.reshape(-1).long()
     if row_valid is not None:
         ids = torch.where(row_valid[:, None].expand(n, k).reshape(-1), ids, E)  # sentinel expert E sorts last
@@ -39,27 +64,80 @@ def align_pairs(
     real = sorted_ids < E
     e = sorted_ids.clamp(max=E - 1)
     rank = torch.arange(N, device=dev) - first[e]
-    dest = torch.where(real, starts[e] + rank, -1)
-    max_blocks = triton.cdiv(N + E * (block_m - 1), block_m)
-    sorted_pairs = torch.full((max_blocks * block_m + 1,), N, dtype=torch.int32, device=dev)
-    # Sentinel pairs (invalid rows) go to the spare last element, which is cut off below.
-    sorted_pairs.scatter_(0, torch.where(dest >= 0, dest, max_blocks * block_m), order.to(torch.int32))
-    block_start = torch.arange(max_blocks, device=dev) * block_m
-    be = torch.searchsorted(ends, block_start, right=True)  # first expert whose padded run ends after it
+    spare = blocks * block_m
+    dest = torch.where(real, starts[e] + rank, spare)  # sentinel pairs (invalid rows) go to the spare slot
+    sorted_pairs = torch.full((spare + 1,), N, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    be = torch.searchsorted(ends, torch.arange(blocks, device=dev) * block_m, right=True)
     block_expert = torch.where(be < E, be, -1).to(torch.int32)
     return sorted_pairs[:-1], block_expert
 
 
+@jit_per_batch("num_pairs", "blocks")
+def _align_kernel(
+    ids_ptr, valid_ptr, sorted_pairs, block_expert, num_pairs, blocks,
+    TOP_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """`align_pairs` in one program: count pairs per expert, lay the padded runs out, then place each
+    pair at its run's start plus its rank among the expert's pairs (token order), chunk by chunk.
+    Real slots and padding slots are disjoint sets, so no store overwrites another."""
+    pdl_enter(USE_PDL)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [E_PAD] padded end of each run; runs of experts >= E are empty
+    starts = ends - padded
+    # Padding: each run's tail [start + count, end), then every slot after the last run.
+    tail = starts[:, None] + counts[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [E_PAD, BLOCK_M]
+    tl.store(sorted_pairs + tail, tl.full([E_PAD, BLOCK_M], 0, tl.int32) + num_pairs,
+             mask=tail < ends[:, None])
+    total = tl.max(ends, axis=0)
+    for s0 in range(0, blocks * BLOCK_M, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs + s, tl.full([CHUNK], 0, tl.int32) + num_pairs,
+                 mask=(s >= total) & (s < blocks * BLOCK_M))
+    # A block's expert: the first run ending after the block's start (none: the block is unused).
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        be = tl.sum((ends[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert + b, tl.where(be < E, be, -1), mask=b < blocks)
+    seen = tl.zeros([E_PAD], dtype=tl.int32)  # pairs of each expert placed by earlier chunks
+    for p0 in range(0, num_pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID)
+        hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD] one-hot (none: invalid)
+        before = tl.cumsum(hit, axis=0) - hit  # this expert's pairs earlier in the chunk
+        dest = tl.sum(hit * (starts + seen)[None, :] + hit * before, axis=1)
+        tl.store(sorted_pairs + dest, p, mask=e >= 0)
+        seen += tl.sum(hit, axis=0)
+
+
 @triton.jit
+def _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Expert of pairs `p` [CHUNK]; -1 past the end and for invalid rows."""
+    ok = p < num_pairs
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_ptr + p // TOP_K, mask=ok, other=0) != 0)
+    return tl.where(ok, tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32), -1)
+
+
+@jit_per_batch("num_pairs")
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_pairs, block_expert,
     num_pairs, n_out, n_in, stride_am, stride_we, stride_wn, stride_om,
     A_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[pair, cols] = a[row(pair)] @ w[e, cols].T for the block's expert e; with GATED, w holds gate
     rows [0, n_out) and up rows [n_out, 2 n_out) and out = act(gate) * up. row(pair) is the token
     (pair // TOP_K) when A_PER_TOKEN, else the pair itself."""
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert + b).to(tl.int64)
     if e < 0:
@@ -81,8 +159,8 @@ def _moe_gemm_kernel(
         w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc += _dot(a, w, UPCAST, PREC)
         if GATED:
-            wu = tl.load(w_base + n_out * stride_wn + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                         other=0.0)
+            wu = tl.load(w_base + n_out * stride_wn + (k0 + ks)[:, None],
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc_up += _dot(a, wu, UPCAST, PREC)
     ty = out_ptr.dtype.element_ty
     if GATED:
@@ -93,19 +171,44 @@ def _moe_gemm_kernel(
     tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _combine_kernel(
+    y_ptr, w_ptr, out_ptr, valid_ptr, n_cols, stride_y, stride_out,
+    TOP_K: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """out[t] = sum_j w[t, j] * y[t*K + j], j = 0..K-1 in order, in float32; 0 for an invalid row
+    (whose rows of y were never written: nothing of them is loaded)."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_ptr + t + 0 * cols) != 0)  # broadcast load: a vector mask
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        yj = tl.load(y_ptr + (t * TOP_K + j) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.where(ok, wj * yj, 0.0)
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
 _SMS: dict[torch.device, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
     if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        cuda = device.type == "cuda"
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
     return _SMS[device]
 
 
 def _block_m(num_pairs: int, num_experts: int) -> int:
-    # Decode: a few pairs per expert, so a small block wastes the least; prefill: fuller tiles.
-    per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    """Rows per block: the smallest tile that holds a typical expert's pairs (mean + 3 sd of a uniform
+    routing) in one block, so a memory-bound call reads each hit expert's weights once (decode wastes
+    tile rows, which costs no bandwidth); 64 once the calls are large enough to be compute-bound."""
+    mean = num_pairs / num_experts
+    need = mean + 3 * mean**0.5
+    return 16 if need <= 16 else 32 if need <= 32 else 64
 
 
 def fused_moe(
@@ -119,15 +222,17 @@ def fused_moe(
     block_m: int | None = None,
 ) -> torch.Tensor:  # [n, H], x's dtype
     """sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], summed over j in order
-    in float32; rows with `row_valid` False are 0."""
+    in float32; rows with `row_valid` False are 0. Four launches, none of them waiting on the host."""
     if activation not in ACTS:
         raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(ACTS)}")
     n, H = x.shape
     E, two_i, _ = w_gate_up.shape
     inter = two_i // 2
     k = topk_ids.shape[1]
-    assert w_gate_up.shape == (E, 2 * inter, H) and w_down.shape == (E, H, inter), (w_gate_up.shape, w_down.shape)
+    assert w_gate_up.shape == (E, 2 * inter, H), w_gate_up.shape
+    assert w_down.shape == (E, H, inter), w_down.shape
     assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
+    assert topk_weights.shape == topk_ids.shape == (n, k), (topk_weights.shape, topk_ids.shape)
     if n == 0:
         return torch.zeros_like(x)
     bm = block_m or _block_m(n * k, E)
@@ -138,6 +243,7 @@ def fused_moe(
     bn, bk = 64, 64
     warps = 4
     upcast, prec = dot_flags(x.dtype)
+    pdl = pdl_kwargs(x)
     # Few tokens (decode) hit few experts: narrower column tiles of the first GEMM keep enough programs
     # streaming the active experts' weights to fill the GPU (bs 1 on an H100: 8 experts, 88 -> 352).
     bn1, active = bn, min(E, n * k)
@@ -147,25 +253,32 @@ def fused_moe(
         x, w_gate_up, h, sorted_pairs, block_expert, n * k, inter, H,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         A_PER_TOKEN=True, TOP_K=k, GATED=True, ACT=ACTS[activation], BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk,
-        UPCAST=upcast, PREC=prec, num_warps=warps,
+        UPCAST=upcast, PREC=prec, num_warps=warps, **pdl,
     )
     _moe_gemm_kernel[(blocks, triton.cdiv(H, bn))](
         h, w_down, y, sorted_pairs, block_expert, n * k, H, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         A_PER_TOKEN=False, TOP_K=k, GATED=False, ACT=0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=upcast, PREC=prec, num_warps=warps,
+        UPCAST=upcast, PREC=prec, num_warps=warps, **pdl,
     )
-    out = combine(y.view(n, k, H), topk_weights)
-    if row_valid is not None:
-        out = torch.where(row_valid[:, None], out, 0.0)  # their rows of y were never written
-    return out.to(x.dtype)
+    return combine(y, topk_weights, row_valid, x.dtype)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, rows: int = 2048) -> torch.Tensor:
-    """`[n, k, H]` expert outputs, `[n, k]` weights -> `[n, H]` float32: one reduction over the k slots,
-    whose order depends on k and H only (not on n or the routing), so a row's sum is reproducible.
-    In blocks of `rows` tokens: the float32 products of a long prefill would need n*k*H*4 bytes."""
-    out = torch.empty(y.shape[0], y.shape[2], dtype=torch.float32, device=y.device)
-    for i in range(0, y.shape[0], rows):
-        out[i : i + rows] = (y[i : i + rows].float() * weights[i : i + rows, :, None]).sum(1)
+def combine(
+    y: torch.Tensor,  # [n*k, H]: pair t*k + j's expert output
+    weights: torch.Tensor,  # [n, k] float32
+    row_valid: torch.Tensor | None,  # [n] bool
+    dtype: torch.dtype,
+    block: int = 512,
+) -> torch.Tensor:  # [n, H] in dtype
+    """Weighted sum over each token's k slots in slot order, in float32, in one launch: the order
+    depends on nothing but k, so a row's sum never depends on n, the routing or the scheduling."""
+    n, k = weights.shape
+    weights = weights if weights.is_contiguous() else weights.contiguous()
+    out = torch.empty(n, y.shape[1], dtype=dtype, device=y.device)
+    valid = row_valid.view(torch.uint8) if row_valid is not None else weights  # bool as bytes
+    _combine_kernel[(n, triton.cdiv(y.shape[1], block))](
+        y, weights, out, valid, y.shape[1], y.stride(0), out.stride(0),
+        TOP_K=k, HAS_VALID=row_valid is not None, BLOCK=block, num_warps=4, **pdl_kwargs(y),
+    )
     return out

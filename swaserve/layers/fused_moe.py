@@ -34,7 +34,7 @@ def moe_experts_reference(
     topk_ids: torch.Tensor, activation: str, row_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each expert's GEMMs in x's dtype as HF runs them (F.linear, then act(gate) * up); each pair's
-    output times its weight in float32, summed over the k slots in order, cast at the end."""
+    output times its weight in float32, summed over the k slots in order 0..k-1, cast at the end."""
     act = get_activation(_REFERENCE_ACT[activation])
     n, k = topk_ids.shape
     y = torch.zeros(n, k, x.shape[1], dtype=x.dtype, device=x.device)  # [n, k, H]
@@ -45,7 +45,9 @@ def moe_experts_reference(
         token, slot = torch.where(ids == e)
         gate, up = F.linear(x[token], w_gate_up[e]).chunk(2, dim=-1)
         y[token, slot] = F.linear(act(gate) * up, w_down[e])
-    out = (y.float() * topk_weights.float()[:, :, None]).sum(1)
+    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+    for j in range(k):  # slot order, as the fused combine sums
+        out += topk_weights[:, j, None].float() * y[:, j].float()
     if row_valid is not None:
         out = torch.where(row_valid[:, None], out, 0.0)
     return out.to(x.dtype)

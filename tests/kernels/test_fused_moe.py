@@ -1,13 +1,14 @@
-"""Fused MoE (sorted grouped GEMMs) vs the per-expert reference, and the pair alignment's invariants:
-random routings, experts with no tokens, every token on one expert, padded (invalid) rows, poisoned
-buffers; fp32 and bf16."""
+"""Fused MoE (sorted grouped GEMMs) vs the per-expert reference, the pair alignment's invariants (its
+one-program kernel and its torch-ops path agree) and the fixed-order combine: random routings, experts
+with no tokens, every token on one expert, padded (invalid) rows, poisoned buffers; fp32 and bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from swaserve.kernels.fused_moe import align_pairs, fused_moe
+from swaserve.kernels import fused_moe as fused_moe_kernels
+from swaserve.kernels.fused_moe import align_pairs, combine, fused_moe, num_blocks
 from swaserve.layers.fused_moe import moe_experts_reference
 
 
@@ -17,7 +18,7 @@ def _problem(n, E, k, H, I, dtype, device, seed, ids=None):
     w1 = (0.2 * torch.randn(E, 2 * I, H, generator=g)).to(dtype)
     w2 = (0.2 * torch.randn(E, H, I, generator=g)).to(dtype)
     if ids is None:
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.zeros(0, k, dtype=torch.int64)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
     w = torch.rand(n, k, generator=g)
     return [t.to(device) for t in (x, w1, w2, w.float(), ids)]
 
@@ -45,7 +46,8 @@ def test_reference_is_the_dense_formula(seed):
             gate, up = (w1[e] @ x[t]).chunk(2)
             dense[t] += w[t, j].double() * (w2[e] @ (torch.nn.functional.silu(gate) * up))
     # The reference weights and sums in float32, as the kernel does.
-    torch.testing.assert_close(moe_experts_reference(x, w1, w2, w.double(), ids, "silu"), dense, rtol=1e-5, atol=1e-5)
+    ref = moe_experts_reference(x, w1, w2, w.double(), ids, "silu")
+    torch.testing.assert_close(ref, dense, rtol=1e-5, atol=1e-5)
 
 
 def test_one_expert_takes_everything_and_the_rest_nothing(device, seed):
@@ -68,20 +70,19 @@ def test_invalid_rows_are_zero_and_leave_valid_rows_unchanged(device, seed):
     torch.testing.assert_close(masked.cpu(), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_alignment_invariants(block_m, seed):
-    g = torch.Generator().manual_seed(seed)
-    n, k, E = 23, 3, 7
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
-    ids[:5] = torch.tensor([4, 0, 1])  # a crowded expert or two
-    valid = torch.rand(n, generator=g) > 0.2
-    pairs, experts = align_pairs(ids, E, block_m, valid)
+def _check_alignment(ids, valid, E, block_m, pairs, experts):
+    n, k = ids.shape
     N = n * k
-    assert pairs.numel() == experts.numel() * block_m and experts.numel() * block_m >= N + E * (block_m - 1)
-    want = {t * k + j for t in range(n) for j in range(k) if valid[t]}
-    got = [int(p) for p in pairs if p < N]
-    assert sorted(got) == sorted(want), "every valid pair exactly once, no invalid pair"
+    assert pairs.dtype == experts.dtype == torch.int32
+    assert experts.numel() == num_blocks(N, E, block_m) and pairs.numel() == experts.numel() * block_m
+    want = {t * k + j for t in range(n) for j in range(k) if valid is None or valid[t]}
+    got = [int(p) for p in pairs if p != N]
+    assert sorted(got) == sorted(want), "every valid pair exactly once, no invalid pair, no stray value"
     flat = ids.reshape(-1)
+    used = experts >= 0
+    assert not (used[1:] & ~used[:-1]).any(), "used blocks first"
+    assert (experts[used].diff() >= 0).all(), "experts in ascending order"
+    assert (experts < E).all()
     for b, e in enumerate(experts.tolist()):
         block = pairs[b * block_m : (b + 1) * block_m]
         real = block[block < N].long()
@@ -92,6 +93,77 @@ def test_alignment_invariants(block_m, seed):
         assert torch.equal(real, real.sort().values), "pairs in token order within an expert"
         pad = block >= N
         assert not pad.any() or pad.nonzero().min() >= real.numel(), "sentinels only after the pairs"
+
+
+def _routings(seed):
+    """(name, ids, valid, E): random with crowded experts, every pair on one expert (a run longer than
+    a block), one pair per expert (the most padding), and padded rows."""
+    g = torch.Generator().manual_seed(seed)
+    n, k, E = 23, 3, 7
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
+    ids[:5] = torch.tensor([4, 0, 1])
+    yield "random", ids, torch.rand(n, generator=g) > 0.2, E
+    yield "random_all_valid", ids, None, E
+    yield "one_expert", torch.full((37, 1), 5), None, 8
+    yield "one_pair_each", torch.randperm(12, generator=g)[:, None], None, 12
+    yield "no_valid_row", ids[:4], torch.zeros(4, dtype=torch.bool), E
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_alignment_invariants_both_paths(block_m, seed, device, monkeypatch):
+    # Poisoned int buffers: every slot of the kernel's outputs must be written.
+    real_empty = torch.empty
+
+    def poison_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(-77) if not t.is_floating_point() else t.fill_(float("nan"))
+
+    for name, ids, valid, E in _routings(seed):
+        ids_d, valid_d = ids.to(device), None if valid is None else valid.to(device)
+        monkeypatch.setattr(torch, "empty", poison_empty)
+        kernel = align_pairs(ids_d, E, block_m, valid_d, use_kernel=True)
+        monkeypatch.setattr(torch, "empty", real_empty)
+        ops = align_pairs(ids_d, E, block_m, valid_d, use_kernel=False)
+        for pairs, experts in (kernel, ops):
+            _check_alignment(ids, valid, E, block_m, pairs.cpu(), experts.cpu())
+        assert torch.equal(kernel[0], ops[0]) and torch.equal(kernel[1], ops[1]), name
+
+
+def test_sort_by_torch_ops_matches_reference(device, seed, monkeypatch):
+    # Above ALIGN_KERNEL_MAX_PAIRS the pairs are sorted by torch ops (prefill); same result.
+    monkeypatch.setattr(fused_moe_kernels, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    x, w1, w2, w, ids = _problem(17, 6, 3, 32, 16, torch.float32, device, seed)
+    valid = torch.arange(17, device=device) % 4 != 1
+    out = fused_moe(x, w1, w2, w, ids, "gelu_tanh", row_valid=valid)
+    ref = moe_experts_reference(x.cpu(), w1.cpu(), w2.cpu(), w.cpu(), ids.cpu(), "gelu_tanh", valid.cpu())
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_combine_sums_slots_in_order_whatever_the_batch(device, seed):
+    g = torch.Generator().manual_seed(seed)
+    n, k, H = 11, 4, 40
+    y = (torch.randn(n * k, H, generator=g) * torch.logspace(-3, 3, H)).to(device)  # cancellation-prone
+    w = torch.rand(n, k, generator=g).to(device)
+    # Row 0, column 0: 1e8 + 1 - 1e8 + 1 is 1 summed in slot order in float32, 0 in reverse order.
+    y.view(n, k, H)[0, :, 0] = torch.tensor([1e8, 1.0, -1e8, 1.0])
+    w[0] = 1.0
+    out = combine(y, w, None, torch.float32)
+    assert out[0, 0] == 1.0, "slots not summed in order 0..k-1"
+    loop = torch.zeros(n, H)
+    for j in range(k):
+        loop += w[:, j, None].cpu() * y.view(n, k, H)[:, j].cpu()
+    torch.testing.assert_close(out.cpu(), loop, rtol=1e-6, atol=0)
+    # A row's sum depends on nothing but its own k slots: a sub-batch gives the same bits.
+    sub = combine(y[3 * k : 7 * k], w[3:7], None, torch.float32)
+    assert torch.equal(sub, out[3:7])
+    valid = torch.arange(n, device=device) % 3 != 0
+    y_poisoned = y.clone().view(n, k, H)
+    y_poisoned[~valid] = float("nan")  # rows the GEMMs never write for padded tokens
+    masked = combine(y_poisoned.view(n * k, H), w, valid, torch.float32)
+    assert (masked[~valid] == 0).all() and torch.equal(masked[valid], out[valid])
+    low = combine(y_poisoned.view(n * k, H), w, valid, torch.bfloat16)  # the cast at the end only
+    assert low.dtype == torch.bfloat16 and (low[~valid] == 0).all()
+    torch.testing.assert_close(low[valid], out[valid].bfloat16(), rtol=8e-3, atol=0)
 
 
 def test_poisoned_intermediates_do_not_leak(device, seed, monkeypatch):
