@@ -274,6 +274,7 @@ def combine(
     """Weighted sum over each token's k slots in slot order, in float32, in one launch: the order
     depends on nothing but k, so a row's sum never depends on n, the routing or the scheduling."""
     n, k = weights.shape
+    assert y.shape[0] == n * k and y.stride(1) == 1, (y.shape, y.stride())
     weights = weights if weights.is_contiguous() else weights.contiguous()
     out = torch.empty(n, y.shape[1], dtype=dtype, device=y.device)
     valid = row_valid.view(torch.uint8) if row_valid is not None else weights  # bool as bytes
