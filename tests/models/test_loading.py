@@ -98,7 +98,12 @@ def test_bf16_weights(tmp_path, family):
     ours = prefill_logits(config, model, dtype=torch.bfloat16)
     assert ours.dtype == torch.float32
     ref = hf_last_logits(hf)
-    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()  # HF bf16 itself is off by ~0.02
+    # HF's own bf16 is off by ~0.02 of the scale on dense families; on the tiny MoE (4 experts, top 2)
+    # bf16 rounding flips routings and HF's own bf16 is off by ~0.26 of it. Ours may not be worse than
+    # twice HF's own bf16 error, nor than 5% of the scale.
+    hf_bf16 = hf_last_logits(hf.to(torch.bfloat16))
+    own = (hf_bf16 - ref).abs().max()
+    assert (ours - ref).abs().max() < max(0.05 * ref.abs().max(), 2 * own), (own, (ours - ref).abs().max())
 
 
 def test_tied_head_with_stored_copy_is_accepted(tmp_path):
