@@ -25,6 +25,7 @@ from swaserve.kernels import (
     split_counter_count,
     store_kv,
 )
+from swaserve.kernels.common import num_sms
 
 if TYPE_CHECKING:
     from swaserve.memory.req_to_token import ReqToTokenPool
@@ -73,9 +74,7 @@ class TritonAttnBackend(AttentionBackend):
         self.device = req_to_token.req_to_token.device
         self._has_full = any(not kv.uses_swa_space(lid) for lid in kv.layer_ids)
         self._graph: dict[str, KVList] | None = None
-        self._num_sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 8
-        )
+        self._num_sms = num_sms(self.device)
         self._splits: dict[tuple[int, bool, int, int], int] = {}
         # Opt-in (SWASERVE_FUSED_SPLIT_COMBINE=1, not yet measured on a GPU): decode splits combined
         # by their last program instead of a stage-2 launch. The counters return to 0 after every

@@ -11,6 +11,17 @@ import triton
 import triton.language as tl
 
 
+_SMS: dict[torch.device, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device); 8 elsewhere (the
+    interpreter, where grid sizing only has to be plausible)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return _SMS[device]
+
+
 def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

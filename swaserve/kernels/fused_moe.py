@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.activation import ACTS, gated_act
-from swaserve.kernels.common import _dot, dot_flags, jit_per_batch
+from swaserve.kernels.common import _dot, dot_flags, jit_per_batch, num_sms
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 # Up to this many pairs (n * k) one program sorts them (`_align_kernel`: one launch, the decode case);
@@ -192,15 +192,6 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-_SMS: dict[torch.device, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device not in _SMS:
-        cuda = device.type == "cuda"
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
-    return _SMS[device]
-
 
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block: the smallest tile that holds a typical expert's pairs (mean + 3 sd of a uniform
@@ -247,7 +238,7 @@ def fused_moe(
     # Few tokens (decode) hit few experts: narrower column tiles of the first GEMM keep enough programs
     # streaming the active experts' weights to fill the GPU (bs 1 on an H100: 8 experts, 88 -> 352).
     bn1, active = bn, min(E, n * k)
-    while bn1 > 16 and active * triton.cdiv(inter, bn1) < 2 * _num_sms(x.device):
+    while bn1 > 16 and active * triton.cdiv(inter, bn1) < 2 * num_sms(x.device):
         bn1 //= 2
     _moe_gemm_kernel[(blocks, triton.cdiv(inter, bn1))](
         x, w_gate_up, h, sorted_pairs, block_expert, n * k, inter, H,

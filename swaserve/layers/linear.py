@@ -53,11 +53,11 @@ class OutLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:
         if partial_sums and x.is_cuda and self.bias is None:
+            from swaserve.kernels.common import num_sms
             from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits, use_skinny
 
             if use_skinny(x):
                 if self._splits is None:
-                    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-                    self._splits = skinny_gemm_splits(self.out_features, self.in_features, sms)
+                    self._splits = skinny_gemm_splits(self.out_features, self.in_features, num_sms(x.device))
                 return skinny_gemm(x if x.stride(1) == 1 else x.contiguous(), self.weight, self._splits)
         return F.linear(x, self.weight, self.bias)

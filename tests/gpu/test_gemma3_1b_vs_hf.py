@@ -6,7 +6,6 @@ fp32: identical tokens and logits within 1e-3; bf16: parts from HF only at near-
 
 from __future__ import annotations
 
-import copy
 
 import hf_parity
 import pytest
@@ -71,18 +70,8 @@ def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]]) -> list[dict
 
 
 def test_fp32_tokens_identical_to_hf(hf_fp32, prompts):
-    for row in compare(hf_fp32, torch.float32, prompts):
-        d = row["first_divergence"]
-        assert row["max_logit_diff"] < FP32_ATOL, f"fp32 logits differ from HF: {row}"
-        near_tie = d is not None and row["hf_gap_at_divergence"] < 2 * FP32_ATOL
-        assert d is None or near_tie, f"fp32 greedy tokens differ from HF: {row}"
+    hf_parity.assert_fp32_parity(compare(hf_fp32, torch.float32, prompts), FP32_ATOL)
 
 
 def test_bf16_diverges_only_at_near_ties(hf_fp32, prompts):
-    hf_bf16 = copy.deepcopy(hf_fp32).to(torch.bfloat16)
-    rows = compare(hf_bf16, torch.bfloat16, prompts)
-    del hf_bf16
-    torch.cuda.empty_cache()
-    for row in rows:
-        assert row["first_divergence"] is None or row["hf_gap_at_divergence"] < BF16_GAP, (
-            f"bf16 parted from HF at a clear HF choice (not a near-tie): {row}")
+    hf_parity.assert_bf16_near_ties(hf_parity.bf16_rows(hf_fp32, prompts, compare), BF16_GAP)

@@ -96,6 +96,50 @@ def test_swa_kv_pool_routes_layers_with_their_own_shapes():
     assert not single.uses_swa_space(3) and single.k_buffer(3) is single.full.k_buffer(3)
 
 
+def _gemma4_like(kv_shared: int):
+    """Full layers (1, 5) 1 head x 32, sliding (0, 2, 3, 4) 2 x 16; the last `kv_shared` layers read
+    the K/V of the last earlier layer of their type."""
+    from types import SimpleNamespace
+
+    from swaserve.config import ModelConfig
+
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+             "full_attention"]
+    hf = SimpleNamespace(num_hidden_layers=6, vocab_size=32, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                         attention_k_eq_v=True, sliding_window=8, layer_types=types, num_kv_shared_layers=kv_shared,
+                         max_position_embeddings=64)
+    return ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_swa_kv_pool_build_per_pool_shapes_and_kv_shared_layers(hybrid):
+    cfg = _gemma4_like(kv_shared=2)
+    assert cfg.kv_source == ((4, 3), (5, 1))
+    assert cfg.full_group.layer_ids == (1,) and cfg.swa_group.layer_ids == (0, 2, 3)
+    kv = SWAKVPool.build(cfg, full_tokens=20, swa_tokens=9, hybrid=hybrid, dtype=torch.float32)
+    # KV-shared layers own no buffer: the pools hold only the computing layers, and a shared layer's
+    # id reaches its source's buffers.
+    assert kv.full.num_layers == 1 and kv.swa.num_layers == 3
+    assert kv.k_buffer(4) is kv.k_buffer(3) and kv.v_buffer(5) is kv.v_buffer(1)
+    assert kv.layer_ids == list(range(6))
+    assert kv.k_buffer(1).shape[1:] == (1, 32) and kv.k_buffer(0).shape[1:] == (2, 16)
+    # Hybrid: the SWA pool has its own slots (and index space); otherwise one index space with
+    # full-sized SWA buffers, so nothing is translated.
+    assert kv.swa_space == hybrid and kv.uses_swa_space(4) == hybrid and not kv.uses_swa_space(5)
+    assert kv.swa.size == (9 if hybrid else 20)
+    assert kv.total_bytes() == sum(p.total_bytes() for p in kv.pools())
+
+
+def test_plan_prints_each_pools_shape_and_kv_shared_layers():
+    cfg = _gemma4_like(kv_shared=2)
+    plan = plan_memory(1 << 20, cfg.full_group, cfg.swa_group, torch.bfloat16, 64, 8, kv_shared_layers=2)
+    text = plan.describe()
+    assert "1 layers x 1 heads x (32 + 32)" in text and "3 layers x 2 heads x (16 + 16)" in text
+    assert "2 KV-shared layers" in text
+    assert plan.full_bytes_per_token == 1 * 1 * 64 * 2 and plan.swa_bytes_per_token == 3 * 2 * 32 * 2
+
+
 def test_swa_allocator_atomic_and_translation():
     a = SWATokenToKVPoolAllocator(full_size=8, swa_size=3)
     assert a.available() == 3
