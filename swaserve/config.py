@@ -184,6 +184,7 @@ class CacheConfig:
     disable_hybrid_swa: bool = _opt(False, "cache sliding-window layers in the full pool (comparisons)")
     swa_evict_margin: int = _opt(1, "positions kept beyond the window for steps in flight")
     swa_evict_chunk: int = _opt(64, "free out-of-window SWA slots in chunks of this many")
+    disable_prefix_cache: bool = _opt(False, "do not reuse the K/V of shared prompt prefixes across requests")
 
 
 SCHEDULE_POLICIES = ("mixed", "prefill_first")
@@ -229,6 +230,8 @@ class RunnerConfig:
     overlap_schedule: bool | None = _opt(
         None, "schedule step N+1 while N runs (default: on for CUDA); --no-overlap-schedule waits for each step",
         aliases=("--disable-overlap-schedule",))
+    enable_deterministic_inference: bool = _opt(
+        False, "batch-invariant kernels: a request gets the same tokens alone or in any batch (costs some speed)")
 
 
 ENGINE_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig)
