@@ -158,8 +158,39 @@ def _client_proc(url: str, model: str, jobs: list, stream: bool, start: float, c
     conn.close()
 
 
-def run_served(args: argparse.Namespace, base: str, model: str, reqs: list, stream: bool) -> tuple[list[Timing], float, float]:
-    """Every request through the server from `--clients` processes; (timings, duration, client CPU s)."""
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(main thread, whole process) CPU seconds of `pid` (Linux /proc; zeros elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def stat(path: str) -> float:
+        try:
+            fields = open(path).read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    return stat(f"/proc/{pid}/task/{pid}/stat"), stat(f"/proc/{pid}/stat")
+
+
+def server_processes(server_pid: int) -> dict[str, int]:
+    """{"frontend": pid, "core": pid} of a running `python -m swaserve.server` (the core is its child)."""
+    try:
+        children = open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()
+    except OSError:
+        children = []
+    procs = {"frontend": server_pid}
+    if children:
+        procs["core"] = int(children[0])
+    return procs
+
+
+def run_served(args: argparse.Namespace, base: str, model: str, reqs: list, stream: bool,
+               server: dict[str, int] | None = None) -> tuple[list[Timing], float, float, dict[str, float]]:
+    """Every request through the server from `--clients` processes; (timings, duration, client CPU s,
+    CPU % of one core used meanwhile by each process in `server`: main thread and whole process)."""
+    server = server or {}
+    cpu0 = {name: _cpu_seconds(pid) for name, pid in server.items()}
+    wall0 = time.monotonic()
     ctx = mp.get_context("spawn")
     start = time.monotonic() + 1.0 + 0.2 * args.clients  # the clients' start-up happens before t0
     shares: list[list] = [[] for _ in range(args.clients)]
@@ -180,8 +211,14 @@ def run_served(args: argparse.Namespace, base: str, model: str, reqs: list, stre
         for (i, *_), t in zip(share, got):
             timings[i] = Timing(**t)
         p.join()
+    wall = time.monotonic() - wall0
+    server_cpu = {}
+    for name, pid in server.items():
+        (m0, t0), (m1, t1) = cpu0[name], _cpu_seconds(pid)
+        server_cpu[f"{name}_main_cpu_pct"] = 100 * (m1 - m0) / wall
+        server_cpu[f"{name}_cpu_pct"] = 100 * (t1 - t0) / wall
     duration = max(t.end for t in timings) - min(t.arrival for t in timings)
-    return timings, duration, cpu
+    return timings, duration, cpu, server_cpu
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -211,15 +248,18 @@ def summarize(name: str, timings: list[Timing], duration: float, client_cpu: flo
 
 def print_table(rows: list[dict], offline_tps: float) -> None:
     head = (f"{'path':<30}{'tok/s':>10}{'of offl.':>9}{'TTFT p50/p99 ms':>18}{'ITL p50/p99':>16}"
-            f"{'TPOT p50/p99':>16}{'E2E p50/p99 s':>16}{'client CPU':>11}{'fail':>6}")
+            f"{'TPOT p50/p99':>16}{'E2E p50/p99 s':>16}{'client CPU':>11}{'front/core CPU':>16}{'fail':>6}")
     print(head)
     for r in rows:
         def pair(k: str, scale: float = 1.0) -> str:
             a, b = r[f"{k}_p50_ms"] / scale, r[f"{k}_p99_ms"] / scale
             return f"{a:.1f}/{b:.1f}" if scale == 1.0 else f"{a:.2f}/{b:.2f}"
         cpu = f"{r['client_cpu_pct']:.0f}%" if "client_cpu_pct" in r else "-"
+        # main threads (the event loop; the busy loop): one near 100% is the bottleneck
+        server = (f"{r['frontend_main_cpu_pct']:.0f}%/{r.get('core_main_cpu_pct', float('nan')):.0f}%"
+                  if "frontend_main_cpu_pct" in r else "-")
         print(f"{r['path']:<30}{r['output_tok_s']:>10.0f}{100 * r['output_tok_s'] / offline_tps:>8.0f}%"
-              f"{pair('ttft'):>18}{pair('itl'):>16}{pair('tpot'):>16}{pair('e2e', 1000.0):>16}{cpu:>11}{r['failed']:>6}")
+              f"{pair('ttft'):>18}{pair('itl'):>16}{pair('tpot'):>16}{pair('e2e', 1000.0):>16}{cpu:>11}{server:>16}{r['failed']:>6}")
 
 
 def launch(args: argparse.Namespace, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
@@ -307,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # as offline's warm-up
             for mode in ("stream", "nonstream"):
                 if mode in modes:
-                    timings, duration, cpu = run_served(args, url + "/v1", model, reqs, mode == "stream")
+                    timings, duration, cpu, server_cpu = run_served(
+                        args, url + "/v1", model, reqs, mode == "stream", server_processes(proc.pid))
                     rows.append(summarize(f"served, {'streaming' if mode == 'stream' else 'non-streaming'}",
-                                          timings, duration, cpu))
+                                          timings, duration, cpu) | server_cpu)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

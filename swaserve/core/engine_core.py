@@ -48,10 +48,11 @@ class CoreSpec(msgspec.Struct, frozen=True):
 class EngineCore:
     """Drives one engine: the only thread that touches it.
 
-    Loop: take every input that arrived (without waiting while there is work), step the engine once,
-    send one `StepOutputs` with every request's new token ids (detokenizing is the frontend's job).
-    Invariants: `_sent[rid]` counts the tokens of live request `rid` already sent; a request leaves
-    it when it finishes, is aborted or fails. The loop ends on `Shutdown`, or when the frontend
+    Loop: take every input that arrived (without waiting while there is work), step the engine once
+    (`step_deltas()`: what the step added, no cumulative outputs), send one `StepOutputs` with every
+    request's new token ids (detokenizing is the frontend's job). Engine requests are single
+    sequences (the frontend splits n). Invariant: `_live` holds the requests added and not yet
+    finished, aborted or failed; nothing is reported for a request outside it. The loop ends on `Shutdown`, or when the frontend
     (`parent_pid`) is gone, so no orphan core keeps holding the device.
     """
 
@@ -60,7 +61,7 @@ class EngineCore:
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.codec = Codec()
-        self._sent: dict[str, tuple[int, int]] = {}  # rid -> (tokens, logprobs) sent
+        self._live: set[str] = set()  # requests added and not yet finished, aborted or failed
         self._accepted: list[str] = []
         self._rejected: list[Rejected] = []
         self._failed: list[str] = []
@@ -85,7 +86,7 @@ class EngineCore:
             if self.engine.has_unfinished():
                 t0 = time.monotonic()
                 try:
-                    deltas = self._deltas(self.engine.step())
+                    deltas = self._deltas(self.engine.step_deltas())
                 except Exception:
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_all()
@@ -108,7 +109,7 @@ class EngineCore:
                 self._add(msg)
             elif isinstance(msg, AbortRequests):
                 for rid in msg.request_ids:
-                    self._sent.pop(rid, None)
+                    self._live.discard(rid)
                     self.engine.abort(rid)
             elif isinstance(msg, Shutdown):
                 return False
@@ -125,37 +126,29 @@ class EngineCore:
             logger.exception("add_request failed")
             self._rejected.append(Rejected(msg.request_id, 500, "internal engine error"))
             return
-        self._sent[msg.request_id] = (0, 0)
+        self._live.add(msg.request_id)
         self._accepted.append(msg.request_id)
 
-    def _deltas(self, outputs: list[Any]) -> list[RequestDelta]:
+    def _deltas(self, seqs: list[Any]) -> list[RequestDelta]:
+        """The step's `SeqDelta`s as messages, without those of requests aborted while it ran."""
+        live = self._live
         deltas = []
-        for out in outputs:
-            sent = self._sent.get(out.request_id)
-            if sent is None:  # aborted while its step ran
+        for d in seqs:
+            if d.request_id not in live:
                 continue
-            comp = out.outputs[0]
-            ids = comp.token_ids
-            new = list(ids[sent[0] :])
-            lps = None
-            if comp.logprobs is not None:
-                lps = list(comp.logprobs[sent[1] :])
-            if out.finished:
-                del self._sent[out.request_id]
-            else:
-                self._sent[out.request_id] = (len(ids), sent[1] + len(lps or ()))
-            if new or out.finished:
-                deltas.append(RequestDelta(out.request_id, new, lps, (comp.finish_reason or "stop") if out.finished else None))
+            if d.finish_reason is not None:
+                live.discard(d.request_id)
+            deltas.append(RequestDelta(d.request_id, d.token_ids, d.logprobs, d.finish_reason))
         return deltas
 
     def _fail_all(self) -> None:
-        for rid in list(self._sent):
+        for rid in list(self._live):
             self._failed.append(rid)
             try:
                 self.engine.abort(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)
-        self._sent.clear()
+        self._live.clear()
 
     def _send(self, deltas: list[RequestDelta]) -> None:
         msg = StepOutputs(deltas, self._accepted, self._rejected, self._failed, counters(self.engine))

@@ -116,7 +116,7 @@ def create_app(
                 f"{rid}-{p * n + j}", p * n + j, prompt=prompt,
                 sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": req.max_tokens or 16,
                           "logprobs": req.logprobs},
-                token_strings=req.logprobs is not None,
+                token_strings=req.logprobs is not None, stream=bool(req.stream),
             )
             for p, prompt in enumerate(req.prompts)
             for j in range(n)
@@ -136,7 +136,7 @@ def create_app(
                 f"{rid}-{j}", j, messages=messages,
                 sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": req.max_new_tokens,
                           "logprobs": logprobs},
-                token_strings=logprobs is not None,
+                token_strings=logprobs is not None, stream=bool(req.stream),
             )
             for j in range(req.num_choices)
         ]

@@ -272,7 +272,7 @@ class EngineClient:
             self.metrics.e2e.observe(now - track.arrival)
         elif not (upd.text or upd.token_ids):
             return
-        elif track.posted and len(upd.token_ids) < self.stream_interval:
+        elif not track.sub.stream or (track.posted and len(upd.token_ids) < self.stream_interval):
             track.pending = upd  # stream_interval: the first token goes at once, then every N
             return
         track.posted = True

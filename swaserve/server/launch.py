@@ -57,7 +57,7 @@ def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = N
         app.state.exit_code = 0
         uv_config = uvicorn.Config(
             app, log_level=cfg.log_level, access_log=cfg.access_log,
-            timeout_graceful_shutdown=math.ceil(cfg.graceful_timeout), lifespan="on", loop="asyncio", http="h11",
+            timeout_graceful_shutdown=math.ceil(cfg.graceful_timeout), lifespan="on", loop="auto", http="auto",
             ws="none", server_header=False,
         )
         holder["server"] = uvicorn.Server(uv_config)

@@ -19,6 +19,7 @@ class SubRequest:
     messages: list[dict[str, str]] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # max_tokens None: the rest of the context
     token_strings: bool = False  # also send the text of every token id in logprobs
+    stream: bool = True  # False: the route wants the whole completion, so one update at the end
 
 
 @dataclass(slots=True)

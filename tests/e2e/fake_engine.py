@@ -1,4 +1,4 @@
-"""FakeEngine: the Engine contract (add_request / step / abort / memory_stats) over a byte-level toy
+"""FakeEngine: the Engine contract (add_request / step / step_deltas / abort / memory_stats) over a byte-level toy
 tokenizer and a deterministic toy "model", so server tests run in milliseconds per request.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from swaserve.detokenizer import IncrementalDetokenizer
+from swaserve.engine import SeqDelta
 from swaserve.request import CompletionOutput, RequestOutput, SamplingParams
 
 BOS, EOS = 256, 257
@@ -124,6 +125,19 @@ class FakeEngine:
         }
 
     def step(self) -> list[RequestOutput]:
+        outputs = []
+        for req in self._step():
+            comp = CompletionOutput(0, req.detok.text, list(req.output_ids),
+                                    None if req.logprobs is None else list(req.logprobs), req.finish_reason)
+            outputs.append(RequestOutput(req.rid, None, req.prompt_ids, [comp], req.finish_reason is not None))
+        return outputs
+
+    def step_deltas(self) -> list[SeqDelta]:
+        return [SeqDelta(req.rid, 0, req.output_ids[-1:], None if req.logprobs is None else req.logprobs[-1:],
+                         req.finish_reason) for req in self._step()]
+
+    def _step(self) -> list[_Req]:
+        """Admit what fits, sleep `step_delay`, give every running request one token; those requests."""
         self._check_thread()
         self.steps += 1
         reserved = sum(len(r.prompt_ids) + r.params.max_tokens for r in self.running)
@@ -139,16 +153,12 @@ class FakeEngine:
             self.running.append(req)
         if self.step_delay:
             time.sleep(self.step_delay * (1 + prefill / 256))
-        outputs = []
-        for req in list(self.running):
+        advanced = list(self.running)
+        for req in advanced:
             self._advance(req)
-            done = req.finish_reason is not None
-            if done:
+            if req.finish_reason is not None:
                 self.running.remove(req)
-            comp = CompletionOutput(0, req.detok.text, list(req.output_ids),
-                                    None if req.logprobs is None else list(req.logprobs), req.finish_reason)
-            outputs.append(RequestOutput(req.rid, None, req.prompt_ids, [comp], done))
-        return outputs
+        return advanced
 
     def _advance(self, req: _Req) -> None:
         p = req.params
@@ -182,9 +192,9 @@ class FakeEngine:
 
 
 class FailingEngine(FakeEngine):
-    """Raises from step() while a request whose prompt contains BOOM is running."""
+    """Raises from a step while a request whose prompt contains BOOM is running."""
 
-    def step(self) -> list[RequestOutput]:
+    def _step(self) -> list[_Req]:
         if any(b"BOOM" in bytes(t % 256 for t in r.prompt_ids) for r in self.running):
             raise RuntimeError("simulated engine failure")
-        return super().step()
+        return super()._step()

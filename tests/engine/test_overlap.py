@@ -97,3 +97,36 @@ def test_overlap_reports_one_step_late_and_abort_mid_flight_frees_memory(llm, lo
     engine.scheduler.check_integrity()
     s = engine.memory_stats()
     assert s["full_tokens_used"] == 0 and s["swa_tokens_used"] == 0
+
+
+def test_step_deltas_rebuild_what_step_reports(llm, long_ids):
+    """The engine core's per-step report (new tokens only) concatenates to `step()`'s cumulative
+    outputs: tokens, logprobs and finish reasons, n > 1 included, through retraction and overlap."""
+    reqs = workload(long_ids)
+    sync = run_all(twin_engine(llm, False, **TIGHT), reqs)
+    engine = twin_engine(llm, True, **TIGHT)
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    logprobs: dict[tuple[str, int], list[dict[int, float]]] = {}
+    finish: dict[tuple[str, int], str] = {}
+    while engine.has_unfinished():
+        for d in engine.step_deltas():
+            key = (d.request_id, d.index)
+            assert key not in finish, f"{key} reported after its last delta"
+            tokens.setdefault(key, []).extend(d.token_ids)
+            if d.logprobs is not None:
+                logprobs.setdefault(key, []).extend(d.logprobs)
+            if d.finish_reason is not None:
+                finish[key] = d.finish_reason
+        engine.scheduler.check_integrity()
+    assert engine.stats.retractions_total > 0
+    expected = {(rid, c.index): c for rid, out in sync.items() for c in out.outputs}
+    assert finish.keys() == expected.keys()
+    for key, comp in expected.items():
+        assert tokens[key] == list(comp.token_ids) and finish[key] == comp.finish_reason, key
+        if comp.logprobs is not None:
+            assert [d.keys() for d in logprobs[key]] == [d.keys() for d in comp.logprobs], key
+    assert not engine._groups, "finished groups are dropped"
+    s = engine.memory_stats()
+    assert s["full_tokens_used"] == 0 and s["running"] == s["waiting"] == 0
