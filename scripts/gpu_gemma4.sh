@@ -3,7 +3,8 @@
 # Steps: kernels (MoE + attention kernel tests, natively), parity (6-layer 26B-A4B shape vs HF), decode
 # (bs 1/16/64 x ctx 1k/8k vs the active-expert roofline), serve (200 requests @ 128 through `swaserve
 # serve` on a random-weight 26B-A4B directory), capacity (hybrid vs one pool); for issue 21:
-# served_vs_offline (its 256-request set on a random Gemma-3-1B) and stress_1b (200 @ 128). Logs in $OUT/<step>.log;
+# served_vs_offline (its 256-request set on a random Gemma-3-1B), svo_poisson (the set as Poisson arrivals,
+# SVO_RATE req/s) and stress_1b (200 @ 128). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -72,6 +73,10 @@ for step in "${steps[@]}"; do
             d=$(model_dir 1b)
             run served_vs_offline 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
                 --num-requests 256 ${SVO_ARGS:-} ;;
+        svo_poisson)  # the same set arriving as a Poisson process at ~80% of the offline capacity
+            d=$(model_dir 1b)
+            run svo_poisson 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
+                --num-requests 256 --request-rate "${SVO_RATE:-68}" --modes offline,stream ${SVO_ARGS:-} ;;
         stress_1b)
             d=$(model_dir 1b)
             run stress_1b 300 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
