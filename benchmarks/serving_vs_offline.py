@@ -76,6 +76,8 @@ def run_offline(args: argparse.Namespace, reqs: list, engine_opts: dict,
     while engine.has_unfinished():
         engine.step()
     timings = [Timing() for _ in reqs]
+    trace_path = os.environ.get("SWASERVE_CORE_TRACE")
+    trace = open(f"{trace_path}.offline", "a") if trace_path else None
     start = time.monotonic()
     pending = list(range(len(reqs)))
     while pending or engine.has_unfinished():
@@ -88,8 +90,11 @@ def run_offline(args: argparse.Namespace, reqs: list, engine_opts: dict,
         if not engine.has_unfinished():
             time.sleep(max(0.0, start + reqs[pending[0]][2] - time.monotonic()))
             continue
+        t_step = time.monotonic()
         outs = engine.step(finished_only=finished_only)
         now = time.monotonic()
+        if trace is not None:  # the engine core's trace format (scripts/core_trace.py)
+            trace.write(f"[{t_step:.6f},{now - t_step:.6f},{json.dumps(engine.last_step)},{len(outs)}]\n")
         for out in outs:
             t = timings[int(out.request_id)]
             n = len(out.outputs[0].token_ids)
@@ -101,6 +106,8 @@ def run_offline(args: argparse.Namespace, reqs: list, engine_opts: dict,
             if out.finished:
                 t.end = now
     duration = time.monotonic() - start
+    if trace is not None:
+        trace.close()
     del engine
     gc.collect()
     try:

@@ -29,6 +29,7 @@ from swaserve.core.messages import (
 )
 
 logger = logging.getLogger(__name__)
+TRACE_ENV = "SWASERVE_CORE_TRACE"  # a file: one JSON line per engine step (time, batch, tokens reported)
 IDLE_POLL_MS = 500  # an idle core wakes this often to check that its frontend is alive
 NAP_MS = 5  # work that cannot be scheduled yet: wait this long for an input instead of spinning
 
@@ -68,6 +69,15 @@ class EngineCore:
         self._changed = False
 
     def run(self) -> None:
+        trace_path = os.environ.get(TRACE_ENV)
+        trace = open(trace_path, "a") if trace_path else None
+        try:
+            self._loop(trace)
+        finally:
+            if trace is not None:
+                trace.close()
+
+    def _loop(self, trace: Any) -> None:
         poll_ms = 0
         last_parent_check = time.monotonic()
         while True:
@@ -90,8 +100,12 @@ class EngineCore:
                 except Exception:
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_all()
-                if not deltas and time.monotonic() - t0 < 1e-3:
+                t1 = time.monotonic()
+                if not deltas and t1 - t0 < 1e-3:
                     poll_ms = NAP_MS
+                if trace is not None:  # (start, seconds, [kind, requests, tokens] launched, tokens reported)
+                    trace.write(f"[{t0:.6f},{t1 - t0:.6f},{msgspec.json.encode(self.engine.last_step).decode()},"
+                                f"{len(deltas)}]\n")
                 self._changed = True
             if self._changed:
                 self._send(deltas)
