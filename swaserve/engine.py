@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -60,6 +61,7 @@ class _Group:
     prompt: str | None
     prompt_ids: list[int]
     reqs: list[Req] = field(default_factory=list)
+    seed: int | None = None  # the sampling seed in use (RequestOutput.seed)
 
     @property
     def finished(self) -> bool:
@@ -132,7 +134,10 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens)
-        group = _Group(text, ids)
+        if self.runner.deterministic and params.seed is None and not params.is_greedy:
+            # Deterministic mode: every draw is reproducible; the seed is reported for a resend.
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        group = _Group(text, ids, seed=params.seed)
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None and self.detokenize:
@@ -245,7 +250,7 @@ class Engine:
                 lps = list(lps) if r.finished else ListSlice(lps, 0, len(lps))
             text = r.detok.text if r.detok is not None else ""
             comps.append(CompletionOutput(r.index, text, ids, lps, r.finish_reason))  # type: ignore[arg-type]
-        return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished)
+        return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished, seed=group.seed)
 
     def counters(self) -> dict[str, int]:
         """`memory_stats()` plus the token and retraction totals: the names /metrics exports."""

@@ -200,3 +200,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # The sampling seed used: the request's own, or, in deterministic mode, one drawn at admission
+    # for a sampled request without one (resend it to reproduce the completion); None otherwise.
+    seed: int | None = None

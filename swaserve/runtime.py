@@ -79,7 +79,8 @@ def build_runtime(
     else:
         allocator = TokenToKVPoolAllocator(plan.full_tokens)
         full_to_swa = None
-    runner = ModelRunner(config, model, kv, table, full_to_swa, device, dtype, attention_backend=runner_cfg.attention_backend)
+    runner = ModelRunner(config, model, kv, table, full_to_swa, device, dtype, attention_backend=runner_cfg.attention_backend,
+                         deterministic=runner_cfg.enable_deterministic_inference)
     use_graphs = (device.type == "cuda" and not runner_cfg.disable_cuda_graph) or (
         device.type == "cpu" and runner_cfg.enable_cpu_graph
     )

@@ -25,6 +25,7 @@ from swaserve.kernels import (
     split_counter_count,
     store_kv,
 )
+from swaserve.kernels.unified_attention import unified_attention
 from swaserve.kernels.common import num_sms
 
 if TYPE_CHECKING:
@@ -58,6 +59,10 @@ class TritonAttnBackend(AttentionBackend):
     Invariants: every list an SWA-pool layer reads is in SWA space (window lists translated by
     the builder, new tokens written at `swa_out_cache_loc`); a decode window list holds the last
     min(seq_len, W) positions, an extend prefix window list starts at max(0, prefix_len - W + 1).
+
+    `deterministic`: every step, decode or extend, runs `unified_attention`, which reads all keys
+    through the request table (SWA layers via `full_to_swa`) in position-aligned blocks: no key
+    lists are built, and a query's result depends on neither its batch nor its chunking.
     """
 
     fused_kv_store = True
@@ -68,10 +73,14 @@ class TritonAttnBackend(AttentionBackend):
         req_to_token: ReqToTokenPool,
         full_to_swa: torch.Tensor | None,
         sliding_window: int | None = None,
+        deterministic: bool = False,
     ):
         super().__init__(kv, req_to_token, full_to_swa)
         self.window = sliding_window
+        self.deterministic = deterministic
         self.device = req_to_token.req_to_token.device
+        # [max_reqs+2] int32, device: decode's qo_indptr (query b is token b) for the unified kernel.
+        self._arange = torch.arange(req_to_token.max_reqs + 2, dtype=torch.int32, device=self.device)
         self._has_full = any(not kv.uses_swa_space(lid) for lid in kv.layer_ids)
         self._graph: dict[str, KVList] | None = None
         self._num_sms = num_sms(self.device)
@@ -118,6 +127,9 @@ class TritonAttnBackend(AttentionBackend):
         if swa_loc is None and self.full_to_swa is not None:
             swa_loc = self.full_to_swa[batch.out_cache_loc]  # int32: once per forward
         meta = TritonMetadata(None, None, swa_loc)
+        if self.deterministic:
+            self._build_unified(batch, meta)
+            return
         if batch.is_decode:
             kv_lens, first_q = batch.seq_lens, None
             full_cap = sum(batch.seq_lens_cpu) if static is None else 0
@@ -148,6 +160,19 @@ class TritonAttnBackend(AttentionBackend):
             meta.window = lists("window", win_cap, self.window, self.full_to_swa)
         batch.attn_metadata = meta
 
+    def _build_unified(self, batch: ForwardBatch, meta: TritonMetadata) -> None:
+        """The unified kernel reads the table itself: it needs only where each request's queries are."""
+        bs = batch.batch_size
+        if batch.is_decode:
+            meta.qo_indptr, meta.max_extend_len = self._arange[: bs + 1], 1
+        else:
+            assert batch.extend_seq_lens_cpu is not None
+            qo = torch.zeros(bs + 1, dtype=torch.int32)
+            qo[1:] = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32).cumsum(0)
+            meta.qo_indptr = to_device(qo, self.device)
+            meta.max_extend_len = max(batch.extend_seq_lens_cpu)
+        batch.attn_metadata = meta
+
     # ---- attention -----------------------------------------------------------------------------
 
     def forward(
@@ -166,7 +191,14 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf, locs = self.kv_target(spec, batch)
         if not kv_stored:
             store_kv(k_buf, v_buf, locs, k, v)
-        elif (k is None or v is None) and not batch.is_decode:
+        if self.deterministic:
+            out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
+            return unified_attention(
+                q, out, k_buf, v_buf, self.req_to_token.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                meta.qo_indptr, spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
+                full_to_swa=self.full_to_swa if in_swa else None, logit_softcap=spec.logit_softcap or 0.0,
+                sinks=sinks)
+        if (k is None or v is None) and not batch.is_decode:
             # The extend kernel reads new tokens' K/V from tensors: gather them back from the pool
             # (KV-shared layers, and layers whose stored V is not a slice of their projection).
             rows = locs.long()

@@ -211,9 +211,12 @@ def fused_moe(
     activation: str,  # "silu", "gelu" or "gelu_tanh"
     row_valid: torch.Tensor | None = None,  # [n] bool
     block_m: int | None = None,
+    batch_invariant: bool = False,  # one tiling for every n (deterministic mode)
 ) -> torch.Tensor:  # [n, H], x's dtype
     """sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], summed over j in order
-    in float32; rows with `row_valid` False are 0. Four launches, none of them waiting on the host."""
+    in float32; rows with `row_valid` False are 0. Four launches, none of them waiting on the host.
+    `batch_invariant`: 64-row blocks and 64-column tiles whatever n (no K split either way), so a
+    token's expert outputs do not depend on how many tokens share the call."""
     if activation not in ACTS:
         raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(ACTS)}")
     n, H = x.shape
@@ -226,7 +229,7 @@ def fused_moe(
     assert topk_weights.shape == topk_ids.shape == (n, k), (topk_weights.shape, topk_ids.shape)
     if n == 0:
         return torch.zeros_like(x)
-    bm = block_m or _block_m(n * k, E)
+    bm = block_m or (64 if batch_invariant else _block_m(n * k, E))
     sorted_pairs, block_expert = align_pairs(topk_ids, E, bm, row_valid)
     blocks = block_expert.numel()
     h = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
@@ -238,7 +241,7 @@ def fused_moe(
     # Few tokens (decode) hit few experts: narrower column tiles of the first GEMM keep enough programs
     # streaming the active experts' weights to fill the GPU (bs 1 on an H100: 8 experts, 88 -> 352).
     bn1, active = bn, min(E, n * k)
-    while bn1 > 16 and active * triton.cdiv(inter, bn1) < 2 * num_sms(x.device):
+    while not batch_invariant and bn1 > 16 and active * triton.cdiv(inter, bn1) < 2 * num_sms(x.device):
         bn1 //= 2
     _moe_gemm_kernel[(blocks, triton.cdiv(inter, bn1))](
         x, w_gate_up, h, sorted_pairs, block_expert, n * k, inter, H,

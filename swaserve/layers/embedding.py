@@ -39,7 +39,12 @@ class LMHead(nn.Module):
 
     Owns a weight only when untied; a tied head reads the embedding's weight, passed at call time,
     so no parameter is shared between modules (meta-device init and `to_empty` stay simple).
+
+    `batch_invariant` (deterministic mode): logits from `invariant_linear` on every path, and greedy
+    and sampled tokens from those logits (no fused head kernel, whose tiles follow the batch size).
     """
+
+    batch_invariant = False
 
     def __init__(self, vocab_size: int, hidden_size: int, tied: bool, final_softcap: float | None = None):
         super().__init__()
@@ -52,7 +57,13 @@ class LMHead(nn.Module):
         writes float32 directly (one pass over the logits instead of three, and no rounding of the
         logits to 16 bits); elsewhere the GEMM runs in the model dtype and is cast."""
         weight = embedding.weight if self.tied else self.weight
-        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+        if self.batch_invariant:
+            from swaserve.layers.batch_invariant import invariant_linear
+
+            logits = invariant_linear(hidden, weight, out_dtype=torch.float32)
+            if out is not None:
+                logits = out.copy_(logits)
+        elif hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             if out is None:
                 out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
             logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)
@@ -71,7 +82,7 @@ class LMHead(nn.Module):
         a 16-bit model takes it without writing the logits (`kernels.lm_head_argmax`); elsewhere
         it is the argmax of `forward`."""
         weight = embedding.weight if self.tied else self.weight
-        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and not self.batch_invariant:
             from swaserve.kernels.lm_head_argmax import lm_head_argmax
 
             x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
@@ -83,8 +94,9 @@ class LMHead(nn.Module):
         """`[n]` int64 on CUDA, without writing the logits: a draw from `softmax(logits * inv_t)` per
         row with a positive inverse temperature (Gumbel noise from the row's seed), the argmax where
         it is 0 (`kernels.lm_head_argmax`)."""
-        if not hidden.is_cuda:
-            raise ValueError("sampling in the LM head runs on CUDA; elsewhere use the logits and the Sampler")
+        if not hidden.is_cuda or self.batch_invariant:
+            raise ValueError("sampling in the LM head runs on CUDA outside deterministic mode; "
+                             "elsewhere use the logits and the Sampler")
         from swaserve.kernels.lm_head_argmax import lm_head_argmax
 
         weight = embedding.weight if self.tied else self.weight

@@ -15,6 +15,8 @@ class MergedLinear(nn.Module):
     `bias`; `load_shard` is the only way an HF tensor gets into a block.
     """
 
+    batch_invariant = False  # deterministic mode: rows do not depend on the batch (`layers.batch_invariant`)
+
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
         super().__init__()
         self.in_features = in_features
@@ -25,6 +27,10 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(total)) if bias else None  # [sum(out_sizes)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            from swaserve.layers.batch_invariant import invariant_linear
+
+            return invariant_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def load_shard(self, shard: int, param_name: str, tensor: torch.Tensor) -> None:
@@ -50,8 +56,13 @@ class OutLinear(nn.Linear):
     """
 
     _splits: int | None = None
+    batch_invariant = False  # deterministic mode: always `[M, N]` from `invariant_linear`
 
     def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:
+        if self.batch_invariant:
+            from swaserve.layers.batch_invariant import invariant_linear
+
+            return invariant_linear(x, self.weight, self.bias)
         if partial_sums and x.is_cuda and self.bias is None:
             from swaserve.kernels.common import num_sms
             from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits, use_skinny

@@ -35,7 +35,7 @@ class GatedMLP(nn.Module):
         from swaserve.kernels.skinny_gemm import skinny_gated_gemm, use_skinny
 
         assert self.fused_act is not None
-        if self.gate_up_proj.bias is None and use_skinny(x):
+        if self.gate_up_proj.bias is None and not self.gate_up_proj.batch_invariant and use_skinny(x):
             return skinny_gated_gemm(x if x.stride(1) == 1 else x.contiguous(), self.gate_up_proj.weight,
                                      self.fused_act)
         return act_and_mul(self.gate_up_proj(x), self.fused_act)

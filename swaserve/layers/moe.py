@@ -15,6 +15,8 @@ from torch import nn
 class TopKRouter(nn.Module):
     """Picks `top_k` experts per token; their weights are a softmax over the selected logits only."""
 
+    batch_invariant = False  # deterministic mode (`layers.batch_invariant`)
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int):
         super().__init__()
         self.top_k = top_k
@@ -22,13 +24,15 @@ class TopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts))  # [E]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)  # [n, E]
+        logits = _linear(x, self.weight, self.bias, self.batch_invariant)  # [n, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [n, k]
         return torch.softmax(top, dim=-1), ids
 
 
 class Experts(nn.Module):
     """E expert MLPs stored stacked, input-major (`x @ W`), as GPT-OSS checkpoints store them."""
+
+    batch_invariant = False  # deterministic mode: an expert's rows (its tokens) vary in number
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  act: Callable[[torch.Tensor], torch.Tensor]):
@@ -52,10 +56,19 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             token, slot = torch.where(ids == e)
-            h = self.act(x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-            y = h @ self.down_proj[e] + self.down_proj_bias[e]
+            bi = self.batch_invariant
+            h = self.act(_linear(x[token], self.gate_up_proj[e].T, self.gate_up_proj_bias[e], bi))
+            y = _linear(h, self.down_proj[e].T, self.down_proj_bias[e], bi)
             out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
         return out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
+    if batch_invariant:
+        from swaserve.layers.batch_invariant import invariant_linear
+
+        return invariant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class MoE(nn.Module):
@@ -109,6 +122,8 @@ class StackedExperts(nn.Module):
     checkpoints store them: `gate_up_proj` [E, 2I, hidden] (gate rows first), `down_proj` [E, hidden, I].
     Runs `fused_moe.moe_experts`: a sorted grouped GEMM on CUDA, a per-expert loop elsewhere."""
 
+    batch_invariant = False  # deterministic mode (`layers.batch_invariant`)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
         from swaserve.layers.activation import fused_activation_name
@@ -129,4 +144,5 @@ class StackedExperts(nn.Module):
     ) -> torch.Tensor:
         from swaserve.layers.fused_moe import moe_experts
 
-        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid)
+        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid,
+                           self.batch_invariant)

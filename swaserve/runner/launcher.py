@@ -48,7 +48,7 @@ class StepLauncher:
 
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None):
         self.runner = runner
-        self.sampler = sampler or Sampler()
+        self.sampler = sampler or Sampler(batch_invariant=runner.deterministic)
         self.device = runner.device
         self.vocab_size = runner.model_config.vocab_size
 
@@ -70,7 +70,9 @@ class StepLauncher:
             asked = None
         else:
             sb = self._sampling_batch(reqs, params, distinct, rows)
-            if sb.inv_temperatures is not None:  # temperature only: sampled in the LM head
+            # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
+            # goes through the Sampler, so a row's path does not depend on its neighbours' settings).
+            if sb.inv_temperatures is not None and not self.runner.deterministic:
                 tokens = self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds)
                 out = SamplerOutput(tokens, None, None, None)
             else:

@@ -21,11 +21,13 @@ if TYPE_CHECKING:
     from swaserve.runner.decode_graph import DecodeGraphRunner
     from swaserve.runner.forward_batch import ForwardBatch
 
-# Every backend is constructed as cls(kv, req_to_token, full_to_swa, sliding_window=W).
+# Every backend is constructed as cls(kv, req_to_token, full_to_swa, sliding_window=W); the triton
+# backend also takes deterministic=True, and torch_native has a deterministic-mode class of its own.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch_native": ("swaserve.attention.torch_native", "TorchNativeAttnBackend"),
     "triton": ("swaserve.attention.triton", "TritonAttnBackend"),
 }
+_INVARIANT_NATIVE = ("swaserve.attention.invariant_native", "InvariantNativeAttnBackend")
 
 
 def default_attention_backend(device: torch.device) -> str:
@@ -38,13 +40,16 @@ def create_attention_backend(
     req_to_token: ReqToTokenPool,
     full_to_swa: torch.Tensor | None,
     sliding_window: int | None,
+    deterministic: bool = False,
 ) -> AttentionBackend:
-    """Instantiate backend `name`; imported lazily so a CPU run never imports a GPU backend."""
+    """Instantiate backend `name`; imported lazily so a CPU run never imports a GPU backend.
+    `deterministic`: the backend's batch-invariant form (docs/deterministic.md)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}")
-    module, cls = _BACKENDS[name]
+    module, cls = _INVARIANT_NATIVE if deterministic and name == "torch_native" else _BACKENDS[name]
     backend_cls = getattr(importlib.import_module(module), cls)
-    return backend_cls(kv, req_to_token, full_to_swa, sliding_window=sliding_window)
+    kw = {"deterministic": True} if deterministic and name == "triton" else {}
+    return backend_cls(kv, req_to_token, full_to_swa, sliding_window=sliding_window, **kw)
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
@@ -80,15 +85,22 @@ class ModelRunner:
         device: torch.device | str,
         dtype: torch.dtype,
         attention_backend: str | None = None,  # None: triton on CUDA, torch_native elsewhere
+        deterministic: bool = False,  # batch-invariant kernels everywhere (docs/deterministic.md)
     ):
         self.model_config = model_config
+        self.deterministic = deterministic
+        if deterministic:
+            from swaserve.layers.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(model)
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
         if kv.swa_space and full_to_swa is None:
             raise ValueError("an SWA pool needs the full_to_swa table")
         self.attn_backend = create_attention_backend(
-            attention_backend or default_attention_backend(self.device), kv, req_to_token, full_to_swa, model_config.sliding_window
+            attention_backend or default_attention_backend(self.device), kv, req_to_token, full_to_swa,
+            model_config.sliding_window, deterministic,
         )
         self.graph_runner: DecodeGraphRunner | None = None
         # Row r: the last token sampled for the request in row r of the request table. Decode steps
@@ -105,7 +117,9 @@ class ModelRunner:
         else:
             from swaserve.runner.cpu_graph import CpuGraphRunner
 
-            self.graph_runner = CpuGraphRunner(self, max_bs)
+            # Deterministic mode traces with the eager backend: inductor would fuse and reorder the
+            # batch-invariant reductions (the graph's win on CPU is small anyway).
+            self.graph_runner = CpuGraphRunner(self, max_bs, "eager" if self.deterministic else "inductor")
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -124,7 +138,10 @@ class ModelRunner:
                                      extend_prefix_lens=[0] * len(ext), extend_seq_lens=ext)
         hidden = self.forward_hidden(prefill)
         self.logits(hidden)
-        if hidden.is_cuda:
+        if hidden.is_cuda and self.deterministic:
+            for n in (1, 65):  # greedy is logits + argmax here; the bi_matmul split and one-program forms
+                self.greedy_tokens(hidden.new_zeros(n, hidden.shape[1]))
+        elif hidden.is_cuda:
             from swaserve.kernels.lm_head_argmax import SMALL_M, gumbel_noise
             from swaserve.kernels.top_p import top_p_threshold
 

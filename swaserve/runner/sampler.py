@@ -48,7 +48,13 @@ class Sampler:
     A seeded row draws its E from its own generator seeded by (seed, tokens generated so far), on the
     logits' device, so its tokens do not depend on anything else in the batch. On CUDA the draw is
     the same race in log space with the LM head sampler's hashed noise (`SamplingBatch.seeds`).
+
+    `batch_invariant` (deterministic mode): logprobs from a per-row log-softmax instead of
+    `logsumexp`, whose CUDA reduction splits a row across blocks when the batch has few rows.
     """
+
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape == (batch.batch_size, batch.vocab_size), logits.shape
@@ -61,6 +67,10 @@ class Sampler:
             next_ids = torch.where(batch.greedy, next_ids, sampled)
         if batch.max_num_logprobs is None:
             return SamplerOutput(next_ids, None, None, None)
+        if self.batch_invariant:
+            logp = torch.log_softmax(logits, dim=-1)  # one program per row on CUDA and CPU alike
+            top_vals, top_ids = logp.topk(batch.max_num_logprobs, dim=-1)
+            return SamplerOutput(next_ids, logp.gather(1, next_ids[:, None]).squeeze(1), top_ids, top_vals)
         # No [bs, vocab] log-softmax: the top-n and the sampled token need just the normaliser.
         log_z = torch.logsumexp(logits, dim=-1)  # [bs] float32
         top_vals, top_ids = logits.topk(batch.max_num_logprobs, dim=-1)

@@ -1,0 +1,130 @@
+"""Batch-invariant GEMM (`bi_linear`): `x @ W.T (+ bias)` with one tiling for every M, so a row's
+result never depends on how many other rows share the launch (deterministic inference mode).
+
+K is cut into chunks whose count depends only on the weight's shape and the GPU (never on M). Each
+chunk's product starts from a zero accumulator and the chunks are added in chunk order, either in
+one program (many rows: no partial sums in memory) or by split programs whose float32 partials a
+second launch adds in the same order (few rows: enough programs to stream the weight). The two
+forms are bitwise equal by construction, so the form may follow M.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from swaserve.kernels.common import _dot, dot_flags, jit_per_batch, num_sms
+
+BLOCK_M, BLOCK_N = 64, 128
+MIN_CHUNK = 256  # keys of K per chunk at least: below this a split costs more than it streams
+
+
+def block_k(dtype: torch.dtype) -> int:
+    return 32 if dtype.itemsize >= 4 else 64  # fp32 tiles take twice the shared memory
+
+
+def num_chunks(n: int, k: int, sms: int, bk: int = 64) -> tuple[int, int]:
+    """(chunks, chunk length) for an [n, k] weight: about one wave of split programs for a
+    decode-sized batch; a function of the weight shape and the GPU only."""
+    tiles = triton.cdiv(n, BLOCK_N)
+    want = max(1, min(triton.cdiv(sms, tiles), triton.cdiv(k, MIN_CHUNK)))
+    chunk = triton.cdiv(triton.cdiv(k, want), bk) * bk
+    return triton.cdiv(k, chunk), chunk
+
+
+@jit_per_batch("M", "stride_xm", "stride_om", "stride_pm")
+def _bi_matmul_kernel(
+    x, w, bias, out, part, M, N, K, CHUNK, NUM_CHUNKS,
+    stride_xm, stride_wn, stride_wk, stride_om, stride_ps, stride_pm,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    if SPLIT:
+        c_lo = tl.program_id(2)
+        c_hi = c_lo + 1
+    else:
+        c_lo = 0
+        c_hi = NUM_CHUNKS
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for c in range(c_lo, c_hi):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # every chunk from zero: the split form's partial
+        k_end = tl.minimum(K, (c + 1) * CHUNK)
+        for k0 in range(c * CHUNK, k_end, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < k_end
+            a = tl.load(x + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                        mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + rk[:, None].to(tl.int64) * stride_wk,
+                        mask=nmask[None, :] & kmask[:, None], other=0.0)
+            acc += _dot(a, b, UPCAST, PREC)
+        total += acc
+    if SPLIT:
+        tl.store(part + tl.program_id(2) * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :], total,
+                 mask=mmask[:, None] & nmask[None, :])
+    else:
+        _store(total, bias, out, rm, rn, mmask, nmask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _store(total, bias, out, rm, rn, mmask, nmask, stride_om, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        total += tl.load(bias + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :], total.to(out.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@jit_per_batch("M", "stride_om", "stride_pm")
+def _sum_chunks_kernel(part, bias, out, M, N, NUM_CHUNKS, stride_ps, stride_pm, stride_om,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for c in range(0, NUM_CHUNKS):  # chunk order, as the one-program form adds them
+        total += tl.load(part + c * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :],
+                         mask=mmask[:, None] & nmask[None, :], other=0.0)
+    _store(total, bias, out, rm, rn, mmask, nmask, stride_om, HAS_BIAS)
+
+
+def bi_linear(
+    x: torch.Tensor,  # [M, K], unit stride in K
+    weight: torch.Tensor,  # [N, K] any strides (an input-major [K, N] weight's .t() works)
+    bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype | None = None,  # default x's dtype (float32: the LM head's logits)
+    split: bool | None = None,  # None: split programs when the row tiles alone leave SMs idle
+) -> torch.Tensor:  # [M, N]
+    """`x @ weight.T + bias`, every output element reduced in the same order whatever M is."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape[1] == K and x.stride(1) == 1, (x.shape, x.stride(), weight.shape)
+    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return out
+    bk = block_k(x.dtype)
+    sms = num_sms(x.device)
+    chunks, chunk = num_chunks(N, K, sms, bk)
+    grid_mn = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    if split is None:
+        split = chunks > 1 and grid_mn[0] * grid_mn[1] < sms
+    upcast, prec = dot_flags(x.dtype)
+    # 4 warps, 3 stages (2 for fp32): fixed, like the tiles, so every launch reduces alike.
+    kw = {"num_warps": 4, "num_stages": 2 if bk == 32 else 3}
+    has_bias = bias is not None
+    part = torch.empty(chunks if split else 1, M if split else 1, N, dtype=torch.float32, device=x.device)
+    _bi_matmul_kernel[(*grid_mn, chunks if split else 1)](
+        x, weight, bias if has_bias else x, out, part, M, N, K, chunk, chunks,
+        x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), part.stride(0), part.stride(1),
+        SPLIT=split, HAS_BIAS=has_bias, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=bk,
+        UPCAST=upcast, PREC=prec, **kw,
+    )
+    if split:
+        _sum_chunks_kernel[grid_mn](part, bias if has_bias else x, out, M, N, chunks, part.stride(0),
+                                    part.stride(1), out.stride(0), HAS_BIAS=has_bias,
+                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+    return out

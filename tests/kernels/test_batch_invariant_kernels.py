@@ -1,0 +1,168 @@
+"""The deterministic mode's kernels: `bi_linear` (one tiling for every M, split and one-program forms
+bitwise equal) and `unified_attention` (decode and extend through the request table, SWA space for
+sliding layers) against references, and bitwise invariance of a row to its batch and chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed; kernel tests need it (CPU: TRITON_INTERPRET=1)")
+
+from kernel_ref import attend_ref, make_pools, tolerances, window_mask
+
+from swaserve.kernels.bi_matmul import bi_linear, num_chunks
+from swaserve.kernels.unified_attention import unified_attention
+
+
+# ---- bi_linear -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bi_linear_matches_reference(dtype, bias, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    M, K, N = 37, 600, 200  # ragged in every dim: masks on M, N and the last K chunk
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    w = torch.randn(N, K, generator=g).to(dtype).to(device) * K**-0.5
+    b = torch.randn(N, generator=g).to(dtype).to(device) if bias else None
+    ref = x.double() @ w.double().T + (b.double() if bias else 0.0)
+    for out_dtype in (None, torch.float32):
+        y = bi_linear(x, w, b, out_dtype=out_dtype)
+        assert y.dtype == (out_dtype or dtype)
+        torch.testing.assert_close(y.double(), ref, **tolerances(y.dtype if out_dtype is None else dtype))
+
+
+def test_bi_linear_split_equals_one_program_and_rows_are_batch_invariant(device, seed):
+    g = torch.Generator().manual_seed(seed)
+    K, N = 1024, 96
+    assert num_chunks(N, K, 8)[0] > 1, "the shape must give several K chunks for this test to mean anything"
+    w = torch.randn(N, K, generator=g).bfloat16().to(device)
+    # Input-major storage (GPT-OSS experts): the same weight through a transposed view.
+    w_t = w.T.contiguous().T
+    probe = torch.randn(1, K, generator=g).bfloat16().to(device)
+    alone = bi_linear(probe, w, split=False)
+    assert torch.equal(bi_linear(probe, w, split=True), alone)
+    assert torch.equal(bi_linear(probe, w_t), alone)
+    for M, at in ((2, 1), (70, 0), (70, 66), (130, 64)):
+        x = torch.randn(M, K, generator=g).bfloat16().to(device)
+        x[at] = probe[0]
+        for split in (False, True):
+            assert torch.equal(bi_linear(x, w, split=split)[at], alone[0]), (M, at, split)
+
+
+# ---- unified_attention -----------------------------------------------------------------------------
+
+def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None):
+    """reqs: (prefix, new) per request; runs the kernel with every K/V already in the pools."""
+    swa = window is not None
+    k_buf, v_buf = (pools.k_swa, pools.v_swa) if swa else (pools.k_full, pools.v_full)
+    Dk, Dv = k_buf.shape[2], v_buf.shape[2]
+    T = sum(n for _, n in reqs)
+    q = torch.randn(T, H, Dk, generator=g).to(dtype).to(device)
+    out = torch.full((T, H, Dv), float("nan"), dtype=dtype, device=device)  # poison: every row must be written
+    qo = torch.tensor([0] + [n for _, n in reqs], device=device).cumsum(0).int()
+    seq = torch.tensor([p + n for p, n in reqs], dtype=torch.int32, device=device)
+    unified_attention(q, out, k_buf, v_buf, pools.req_to_token, pools.rows[: len(reqs)], seq, qo, 0.125,
+                      max_extend_len=max(n for _, n in reqs), window=window,
+                      full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks)
+    return q, out
+
+
+@pytest.mark.parametrize("H,Hkv,Dk,Dv,dtype,window,softcap,use_sinks", [
+    pytest.param(4, 2, 48, 32, torch.float32, 8, 0.0, True, id="gqa2-swa-dk48dv32-sinks"),
+    pytest.param(8, 2, 32, 32, torch.bfloat16, 8, 30.0, False, id="gqa4-swa-bf16-softcap"),
+    pytest.param(2, 2, 64, 64, torch.float32, None, 0.0, False, id="mha-full"),
+    pytest.param(3, 1, 16, 16, torch.float32, 70, 0.0, True, id="gqa3-window-past-a-block"),
+])
+def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    # (prefix, new): decode rows (new = 1) and extend rows, positions W-1, W, W+1, 2W+3 and past 64.
+    reqs = [(0, 21), (5, 7), (7, 1), (8, 1), (19, 1), (60, 20), (100, 1)]
+    lens = [p + n for p, n in reqs]
+    # Sliding layers: positions no query can see are evicted (full_to_swa = 0 -> NaN dummy slot).
+    swa_from = [max(0, p - window + 1) for p, _ in reqs] if window else None
+    pools = make_pools(lens, Hkv, Dk, Dv, dtype, g, device, swa_from=swa_from)
+    sinks = torch.randn(H, generator=g).to(device) if use_sinks else None
+    q, out = _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap, sinks)
+    off = 0
+    for b, (p, n) in enumerate(reqs):
+        pos = torch.arange(p + n)
+        vis = window_mask(pos[p:], pos, window).to(device)
+        ref = attend_ref(q[off: off + n], pools.k_true[b].to(device), pools.v_true[b].to(device), vis, 0.125,
+                         softcap, sinks)
+        torch.testing.assert_close(out[off: off + n].double(), ref, **tolerances(dtype))
+        off += n
+
+
+def test_unified_attention_reads_new_tokens_in_swa_space(device, seed):
+    """A sliding layer in its own pool: every key, this step's new tokens included, is read through
+    full_to_swa (SGLang's first unified kernel read new tokens by full-pool index: out of range or
+    another token's K/V). Full and SWA slots differ here, so the wrong space gives a wrong result."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = [(12, 9), (3, 1)]
+    window = 6
+    pools = make_pools([p + n for p, n in reqs], 1, 16, 16, torch.float32, g, device,
+                       swa_from=[max(0, p - window + 1) for p, _ in reqs])
+    assert not torch.equal(pools.full_to_swa[pools.req_to_token[pools.rows[0], :21].long()],
+                           pools.req_to_token[pools.rows[0], :21])
+    # Pad the SWA pool with NaN rows so that a read by full-pool index stays inside the buffer.
+    pad = torch.full((pools.k_full.shape[0],) + pools.k_swa.shape[1:], float("nan"), device=device)
+    pools.k_swa, pools.v_swa = torch.cat([pools.k_swa, pad]), torch.cat([pools.v_swa, pad])
+    q, out = _attend(pools, reqs, 2, 1, window, torch.float32, g, device)
+    off = 0
+    for b, (p, n) in enumerate(reqs):
+        pos = torch.arange(p + n)
+        ref = attend_ref(q[off: off + n], pools.k_true[b].to(device), pools.v_true[b].to(device),
+                         window_mask(pos[p:], pos, window).to(device), 0.125)
+        torch.testing.assert_close(out[off: off + n].double(), ref, **tolerances(torch.float32))
+        off += n
+    # The same kernel told the SWA pool is indexed like the full pool (no map): wrong everywhere.
+    bad = torch.zeros_like(out)
+    unified_attention(q, bad, pools.k_swa, pools.v_swa, pools.req_to_token, pools.rows[:2],
+                      torch.tensor([21, 4], dtype=torch.int32, device=device),
+                      torch.tensor([0, 9, 10], dtype=torch.int32, device=device), 0.125,
+                      max_extend_len=9, window=window, full_to_swa=None)
+    assert not torch.allclose(bad, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, device, seed):
+    """One request's 70 queries computed as one extend, as chunks at other boundaries (the earlier
+    chunks' K/V cached), as decode rows, and next to other requests: bitwise the same rows."""
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv, D, window = 4, 1, 32, 40
+    lens = [70, 50, 9]
+    pools = make_pools(lens, Hkv, D, D, dtype, g, device, finite_dummy=True)
+    q_all = torch.randn(70, H, D, generator=g).to(dtype).to(device)
+
+    def run(reqs_order: list[tuple[int, int, int]]) -> dict[int, torch.Tensor]:
+        """reqs_order: (request, prefix, new); returns request 0's rows by position."""
+        qs, q_other = [], torch.randn(sum(n for _, _, n in reqs_order), H, D, generator=g).to(dtype).to(device)
+        off = 0
+        for r, p, n in reqs_order:
+            qs.append(q_all[p: p + n] if r == 0 else q_other[off: off + n])
+            off += n
+        qo = torch.tensor([0] + [n for _, _, n in reqs_order], device=device).cumsum(0).int()
+        seq = torch.tensor([p + n for _, p, n in reqs_order], dtype=torch.int32, device=device)
+        rows = pools.rows[torch.tensor([r for r, _, _ in reqs_order], device=device)]
+        q = torch.cat(qs)
+        out = torch.empty_like(q)
+        unified_attention(q, out, pools.k_full, pools.v_full, pools.req_to_token, rows, seq, qo, 0.125,
+                          max_extend_len=max(n for _, _, n in reqs_order), window=window)
+        res, off = {}, 0
+        for r, p, n in reqs_order:
+            if r == 0:
+                res.update({p + i: out[off + i] for i in range(n)})
+            off += n
+        return res
+
+    whole = run([(0, 0, 70)])
+    variants = [
+        run([(0, 0, 33), (1, 20, 30)]) | run([(2, 3, 6), (0, 33, 37)]),  # two chunks, other traffic
+        run([(0, 0, 64)]) | run([(1, 0, 1), (0, 64, 6)]),  # a chunk edge on a key-block edge
+        {**run([(0, 0, 61)]), **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)])[p] for p in range(61, 70)}},  # decode
+    ]
+    for v in variants:
+        assert sorted(v) == list(range(70))
+        for p in range(70):
+            assert torch.equal(v[p], whole[p]), p
