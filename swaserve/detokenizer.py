@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
     ):
         # The project's Tokenizer wrapper exposes the HF tokenizer as `.hf`; accept either.
         self._tokenizer = getattr(tokenizer, "hf", tokenizer)
+        self._backend_decode = _backend_decode(self._tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self._ids = list(prompt_token_ids)
@@ -82,6 +83,8 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self._tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_new(self) -> str:
@@ -107,6 +110,15 @@ class IncrementalDetokenizer:
             release, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
         self._text += release
         return release
+
+
+def _backend_decode(tokenizer: Any) -> Any:
+    """The Rust `tokenizers` decode behind an HF fast tokenizer, where HF's own decode adds nothing to it
+    (no clean-up of tokenization spaces): half the cost of a streamed token's two decodes. None otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode
 
 
 def _find_stop(text: str, stops: list[str]) -> tuple[int, str | None]:

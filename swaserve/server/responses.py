@@ -41,6 +41,8 @@ def _lp(value: float | None) -> float | None:
 
 def merge(batch: list[Update]) -> list[Update]:
     """Fold several updates of one choice (a consumer that fell behind) into one, in arrival order."""
+    if len(batch) == 1:  # the common case while streaming keeps up: nothing to fold
+        return batch
     merged: dict[int, Update] = {}
     for upd in batch:
         prev = merged.get(upd.index)
