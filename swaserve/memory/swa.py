@@ -195,6 +195,16 @@ class SWATokenToKVPoolAllocator:
         self.swa.free(swa[swa > 0])
         self._set_mapping(full_slots, torch.zeros_like(full_slots))
 
+    def move_swa(self, src_full: torch.Tensor, dst_full: torch.Tensor) -> None:
+        """Hand the SWA slots of `src_full` (all mapped) to `dst_full` (all unmapped), element-wise;
+        `src_full` then maps to 0. The prefix cache heals a tombstoned node with the SWA K/V a
+        request computed for the same tokens at the same positions."""
+        src_full = src_full.reshape(-1).to(device="cpu", dtype=torch.int64)
+        dst_full = dst_full.reshape(-1).to(device="cpu", dtype=torch.int64)
+        swa = self.full_to_swa[src_full]
+        assert bool((swa > 0).all()) and not self.full_to_swa[dst_full].any(), "move_swa: src unmapped or dst mapped"
+        self._set_mapping(torch.cat([src_full, dst_full]), torch.cat([torch.zeros_like(swa), swa]))
+
     def _set_mapping(self, full: torch.Tensor, swa: torch.Tensor) -> None:
         self.full_to_swa[full] = swa
         if self.full_to_swa_device.data_ptr() != self.full_to_swa.data_ptr():
