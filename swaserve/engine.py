@@ -250,22 +250,36 @@ class Engine:
                 lps = list(lps) if r.finished else ListSlice(lps, 0, len(lps))
             text = r.detok.text if r.detok is not None else ""
             comps.append(CompletionOutput(r.index, text, ids, lps, r.finish_reason))  # type: ignore[arg-type]
-        return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished, seed=group.seed)
+        cached = min(r.num_cached_tokens or 0 for r in group.reqs)
+        return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished, num_cached_tokens=cached,
+                             seed=group.seed)
 
     def counters(self) -> dict[str, int]:
-        """`memory_stats()` plus the token and retraction totals: the names /metrics exports."""
+        """`memory_stats()` plus the token, retraction and prefix-cache totals: the names /metrics
+        exports. `prefix_cache_hit_tokens_total` + `prefix_cache_miss_tokens_total` = prompt tokens
+        of every sequence's first admission (n > 1 counts each sequence)."""
+        prefix = self.scheduler.prefix
+        hit, query = (prefix.hit_tokens, prefix.query_tokens) if prefix is not None else (0, 0)
         return {**self.memory_stats(), "prompt_tokens_total": self.stats.prompt_tokens_total,
                 "generation_tokens_total": self.stats.generation_tokens_total,
-                "retractions_total": self.stats.retractions_total}
+                "retractions_total": self.stats.retractions_total,
+                "prefix_cache_hit_tokens_total": hit, "prefix_cache_miss_tokens_total": query - hit}
 
     def memory_stats(self) -> dict[str, int]:
+        """Per pool: `used` (held by requests, or by cache they lock), `cached` (held by the prefix
+        cache, locked or not), `total`. Slots neither used nor free are unlocked cache, which an
+        allocation evicts when it needs them: used + free + (cached - locked cache) = total."""
         alloc = self.allocator
         full = getattr(alloc, "full", alloc)
         swa = getattr(alloc, "swa", None)
+        prefix = self.scheduler.prefix
+        cache = prefix.cache if prefix is not None else None
         return {
-            "full_tokens_used": full.used(),
+            "full_tokens_used": full.used() - (cache.full_evictable if cache is not None else 0),
+            "full_tokens_cached": cache.full_cached if cache is not None else 0,
             "full_tokens_total": full.size,
-            "swa_tokens_used": swa.used() if swa is not None else 0,
+            "swa_tokens_used": (swa.used() - (cache.swa_evictable if cache is not None else 0)) if swa is not None else 0,
+            "swa_tokens_cached": cache.swa_cached if cache is not None else 0,
             "swa_tokens_total": swa.size if swa is not None else 0,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -323,6 +337,10 @@ class LLM:
 
     def memory_stats(self) -> dict[str, int]:
         return self.engine.memory_stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix no running request holds (frees its K/V memory)."""
+        self.engine.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict[str, int]:
         """Every engine counter in one dict: a superset of `memory_stats()`, with the names the

@@ -193,13 +193,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What the engine reports for one request after a step; `finished` once every completion is."""
+    """What the engine reports for one request after a step; `finished` once every completion is.
+    `num_cached_tokens`: prompt tokens whose K/V came from the prefix cache (for n > 1, the fewest
+    of any sequence: the first one computes the shared prompt, the others reuse it)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0
     # The sampling seed used: the request's own, or, in deterministic mode, one drawn at admission
     # for a sampled request without one (resend it to reproduce the completion); None otherwise.
     seed: int | None = None

@@ -18,6 +18,7 @@ from swaserve.memory import (
     TokenToKVPoolAllocator,
     plan_memory,
 )
+from swaserve.prefix_cache import RadixCache
 from swaserve.runner.memory_budget import kv_budget_bytes
 from swaserve.scheduler.scheduler import Scheduler
 
@@ -88,5 +89,8 @@ def build_runtime(
         runner.enable_decode_graphs(sched.max_running_requests)
     if device.type == "cuda":
         runner.warmup()  # the prefill kernels' JIT compiles, before the first request
-    scheduler = Scheduler(sched, ctx, table, allocator, evictor)
+    # The tree checks SWA windows only where SWA K/V can be missing: in a hybrid SWA pool.
+    prefix_cache = (None if cache.disable_prefix_cache
+                    else RadixCache(allocator, config.sliding_window if plan.hybrid else None))
+    scheduler = Scheduler(sched, ctx, table, allocator, evictor, prefix_cache)
     return Runtime(plan, kv, table, allocator, evictor, runner, scheduler)

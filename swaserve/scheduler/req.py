@@ -22,7 +22,8 @@ class Req:
 
     Invariants: positions [0, kv_len) have K/V in the pools through row `row`, written by steps
     already launched (kv_len advances when a step is scheduled, not when it completes); positions
-    [0, swa_evicted) have had their SWA slots freed; `inflight` tokens were sampled by launched
+    [0, cache_len) belong to the prefix cache, [cache_len, kv_len) to this request; of its own
+    positions, [cache_len, swa_evicted) have had their SWA slots freed; `inflight` tokens were sampled by launched
     steps whose results the host has not seen yet (one per such step, so at most 2 with one step
     in flight and the next scheduled; their values are on the device, in the runner's last-token
     table). An unfinished request always has a next query: `kv_len < len(ids) + inflight`.
@@ -47,6 +48,15 @@ class Req:
     num_retractions: int = 0
     inflight: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # timing for metrics
+    # Prefix cache (scheduler/prefix.py): positions [0, cache_len) are the tree's, through the
+    # locked path ending at cache_node (a TreeNode).
+    cache_node: Any = None
+    cache_len: int = 0
+    swa_locked: bool = False
+    swa_lo: int = 0  # with swa_locked: the path's nodes from this position on are SWA-locked
+    prefill_end: int = 0  # len(ids) when admitted: the prefix handed to the tree once prefilled
+    committed: bool = True  # False while prefilled K/V waits to be handed to the tree
+    num_cached_tokens: int | None = None  # prompt tokens matched at the first admission
 
     @property
     def output_ids(self) -> list[int]:

@@ -1,5 +1,5 @@
 """Scheduler: waiting/running queues, chunked prefill under a token budget, decode batches, SWA
-freeing every step, and retraction when memory runs out."""
+freeing every step, prefix-cache reuse, and retraction when memory runs out."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import torch
 from swaserve.config import SchedulerConfig
 from swaserve.memory.req_to_token import ReqToTokenPool
 from swaserve.memory.window import SWAEvictor
+from swaserve.prefix_cache import RadixCache
 from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
+from swaserve.scheduler.prefix import PrefixSharing
 from swaserve.scheduler.req import Req, ReqStatus
 
 
@@ -45,6 +47,12 @@ class Scheduler:
     the device); a request that ends by EOS or a stop string in the step in flight may be scheduled
     once more, and that step's result for it is dropped. Memory freed meanwhile may be handed out
     again at once: every later write to it is enqueued after the launched steps that read it.
+
+    Prefix cache (`prefix_cache`, scheduler/prefix.py): a new request starts after the longest
+    usable cached prefix of its tokens and allocates only the rest; its prompt goes to the tree once
+    prefilled, and everything it computed when it ends. Memory counts unlocked cache as available:
+    an allocation that does not fit evicts cache (SWA parts first, then LRU leaves) before any
+    request is retracted.
     """
 
     def __init__(
@@ -54,6 +62,7 @@ class Scheduler:
         req_to_token: ReqToTokenPool,
         allocator: SlotAllocator,
         evictor: SWAEvictor | None,
+        prefix_cache: RadixCache | None = None,
     ):
         self.config = config
         self.max_context = max_context
@@ -64,6 +73,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.retractions_total = 0
         self._arrivals = 0
+        self.prefix = (PrefixSharing(prefix_cache, req_to_token, evictor)
+                       if prefix_cache is not None else None)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -104,9 +115,13 @@ class Scheduler:
     def schedule(self) -> ScheduleBatch | None:
         # With a step in flight its results (and the freeing after them) come later: free what the
         # launched steps have already moved out of the window before allocating for the next one.
+        mid = (self.waiting[0],) if self.waiting and self.waiting[0].kv_len else ()
+        if self.prefix is not None:
+            self.prefix.commit()
+            self.prefix.release_swa_locks((*self.running, *mid))
         self._evict_due(self.running)
-        if self.waiting and self.waiting[0].kv_len:
-            self._evict_due((self.waiting[0],))
+        if mid:
+            self._evict_due(mid)
         budget = self.config.max_prefill_tokens
         if self.config.schedule_policy == "prefill_first":
             return self._schedule_extend(budget) or self._schedule_decode()
@@ -131,25 +146,31 @@ class Scheduler:
             req = self.waiting[0]
             if req.inflight:
                 break  # retracted while its last token was in flight: recompute once the host has it
-            if req.row is None and (len(self.running) >= self.config.max_running_requests or not self.table.available()):
-                break
-            reserve = 0
-            if req.kv_len == 0:
-                # A new admission leaves room for every running request's next decode token, and
-                # only starts if its whole prompt fits the full pool: admitting a prompt that cannot
-                # finish prefilling would only be retracted again (SWA slots are recycled as the
-                # prefill advances, so only the chunk counts there).
-                reserve = len(self.running)
-                if self._full_available() - reserve < req.pending:
-                    break
-            n = min(req.pending, budget, self.allocator.available() - reserve)
-            if n <= 0:
-                break
-            slots = self.allocator.alloc(n)
-            assert slots is not None
             if req.row is None:
+                if len(self.running) >= self.config.max_running_requests or not self.table.available():
+                    break
+                # A new admission starts after its cached prefix, leaves room for every running
+                # request's next decode token, and only starts if the rest of its prompt fits the
+                # full pool: admitting a prompt that cannot finish prefilling would only be
+                # retracted again (SWA slots are recycled as the prefill advances, so only the
+                # chunk counts there).
+                m = self.prefix.match(req) if self.prefix is not None else 0
+                reserve = len(self.running)
+                n = min(req.pending - m, budget, self._available() - reserve)
+                if (self._full_available() - reserve < req.pending - m or n <= 0
+                        or (self.prefix is not None and self.prefix.should_wait(req, m, reqs))):
+                    if self.prefix is not None:
+                        self.prefix.unmatch(req)
+                    break
                 req.row = self.table.alloc()
                 assert req.row is not None
+                if self.prefix is not None:
+                    self.prefix.start(req)
+            else:
+                n = min(req.pending, budget, self._available())
+                if n <= 0:
+                    break
+            slots = self._alloc(n)
             self.table.write(req.row, req.kv_len, slots)
             reqs.append(req)
             prefix.append(req.kv_len)
@@ -163,6 +184,8 @@ class Scheduler:
             # The prompt is complete: its last token samples, and the request decodes from the
             # next step on (reading that token on the device if the host has not seen it yet).
             self.waiting.popleft()
+            if self.prefix is not None:
+                self.prefix.prefilled(req)
             sample.append(True)
             req.inflight += 1
             req.status = ReqStatus.RUNNING
@@ -176,7 +199,7 @@ class Scheduler:
         reqs = [r for r in self.running if r.needs_decode(self.max_context)]
         if not reqs:
             return None
-        while self.allocator.available() < len(reqs):
+        while self._available() < len(reqs):
             if len(reqs) > 1:
                 victim = reqs.pop()
                 self.running.remove(victim)
@@ -189,8 +212,7 @@ class Scheduler:
                 assert len(reqs) < len(self.running), "a lone request always fits (checked at admission)"
                 return None
         bs = len(reqs)
-        slots = self.allocator.alloc(bs)
-        assert slots is not None
+        slots = self._alloc(bs)
         prefix = [r.kv_len for r in reqs]
         self.table.write_tokens([r.row for r in reqs], prefix, slots)  # type: ignore[misc]
         for r in reqs:
@@ -223,7 +245,33 @@ class Scheduler:
     # -- memory ------------------------------------------------------------------------------
 
     def _full_available(self) -> int:
-        return getattr(self.allocator, "full", self.allocator).available()
+        free = getattr(self.allocator, "full", self.allocator).available()
+        return free + self.prefix.cache.full_evictable if self.prefix is not None else free
+
+    def _swa_free(self) -> int | None:
+        swa = getattr(self.allocator, "swa", None)
+        return swa.available() if swa is not None else None
+
+    def _available(self) -> int:
+        """Slots an allocation can get: free ones, plus unlocked prefix cache it would evict."""
+        if self.prefix is None:
+            return self.allocator.available()
+        return self.prefix.available(getattr(self.allocator, "full", self.allocator).available(), self._swa_free())
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        slots = self.allocator.alloc(n)
+        if slots is None and self.prefix is not None:
+            self.prefix.make_room(n, getattr(self.allocator, "full", self.allocator).available(), self._swa_free())
+            slots = self.allocator.alloc(n)
+        assert slots is not None, "allocated more than _available()"
+        return slots
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix no running request holds."""
+        if self.prefix is not None:
+            from swaserve.prefix_cache import evict_all
+
+            evict_all(self.prefix.cache)
 
     def _evict_due(self, reqs: Sequence[Req]) -> None:
         """Free out-of-window SWA slots of `reqs` that have a chunk's worth due. Positions below
@@ -234,14 +282,22 @@ class Scheduler:
         due = self.evictor.threshold
         ready = [r for r in reqs if r.kv_len - r.swa_evicted >= due and r.row is not None and not r.finished]
         if ready:
-            new = self.evictor.evict_many([(r.row, r.kv_len, r.swa_evicted) for r in ready])  # type: ignore[misc]
+            if self.prefix is None:
+                items = [(r.row, r.kv_len, r.swa_evicted) for r in ready]
+            else:
+                free = self._swa_free() or 0
+                items = [(r.row, self.prefix.evict_point(r, free), r.swa_evicted) for r in ready]
+            new = self.evictor.evict_many(items)  # type: ignore[arg-type]
             for r, evicted in zip(ready, new):
                 r.swa_evicted = evicted
 
     def _release(self, req: Req) -> None:
         if req.row is None:
             return
-        self.allocator.free(self.table.slots(req.row, 0, req.kv_len))
+        if self.prefix is not None:
+            self.prefix.release(req, self.allocator.free)
+        else:
+            self.allocator.free(self.table.slots(req.row, 0, req.kv_len))
         self.table.free(req.row)
         req.row = None
         req.kv_len = 0
@@ -265,7 +321,10 @@ class Scheduler:
         self.waiting.insert(1 if head_busy else 0, req)
 
     def owned_slots(self) -> torch.Tensor:
-        held = [self.table.slots(r.row, 0, r.kv_len) for r in (*self.waiting, *self.running) if r.row is not None]
+        """Every full slot held: requests' own positions and the prefix cache's nodes."""
+        held = [self.table.slots(r.row, r.cache_len, r.kv_len) for r in (*self.waiting, *self.running) if r.row is not None]
+        if self.prefix is not None:
+            held.append(self.prefix.cache.owned_slots())
         return torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
 
     def check_integrity(self) -> None:
@@ -278,3 +337,11 @@ class Scheduler:
         assert len(mid) <= 1 and (not mid or mid[0] is self.waiting[0]), "more than one mid-prefill request"
         assert all(r.status is ReqStatus.RUNNING and r.pending == 1 for r in self.running)
         assert all(0 <= r.inflight <= 2 for r in (*self.waiting, *self.running)), "one token per launched step"
+        live = [r for r in (*self.waiting, *self.running) if r.row is not None]
+        if self.prefix is not None:
+            self.prefix.check_integrity(live)
+        if self.evictor is not None:  # the keys every request's next query attends are in the SWA pool
+            table = self.allocator.full_to_swa  # type: ignore[attr-defined]
+            for r in live:
+                need = self.table.slots(r.row, max(0, r.kv_len - self.evictor.window + 1), r.kv_len)  # type: ignore[arg-type]
+                assert bool((table[need] > 0).all()), f"{r.rid}: an SWA slot its next query reads was freed"

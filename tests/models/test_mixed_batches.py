@@ -41,6 +41,8 @@ def _run(path, policy: str, overlap: bool, backend: str = "torch_native") -> tup
         engine.scheduler.check_integrity()
         step += 1
     assert not engine.has_unfinished()
+    engine.scheduler.reset_prefix_cache()  # the prefix cache keeps finished prompts until then
+    engine.scheduler.check_integrity()
     alloc = engine.allocator
     assert alloc.full.available() == alloc.full.size and alloc.swa.available() == alloc.swa.size, "all freed"
     assert alloc.swa.size < alloc.full.size, "a small SWA pool: slots were recycled"

@@ -62,6 +62,7 @@ def _run_side_by_side(ref, tri) -> None:
             rt.scheduler.process_output(b, tokens)
             rt.scheduler.check_integrity()
     assert modes == {"extend", "decode"}
+    tri.scheduler.reset_prefix_cache()  # the prefix cache keeps finished prompts until then
     full, swa = tri.allocator.full, tri.allocator.swa
     assert swa.size < full.size and sum(len(p) + 12 for p in prompts) > swa.size, "SWA slots were recycled"
     assert tri.allocator.swa.available() == tri.allocator.swa.size, "every SWA slot freed"
