@@ -52,6 +52,10 @@ class SeqDelta(NamedTuple):
     token_ids: list[int]  # the tokens this step appended
     logprobs: list[dict[int, float]] | None  # theirs, when asked for
     finish_reason: str | None  # set on the sequence's last delta
+    # On the sequence's first delta only (None after): prompt tokens served from the prefix cache,
+    # and the sampling seed in use (the request's own, or the one deterministic mode drew).
+    cached_tokens: int | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -201,8 +205,10 @@ class Engine:
         deltas = []
         for r in self._commit(done):  # each advanced sequence gained exactly one token
             lps = r.output_logprobs
+            first = len(r.ids) - r.prompt_len == 1
             deltas.append(SeqDelta(r.group_id, r.index, r.ids[-1:], lps[-1:] if lps is not None else None,
-                                   r.finish_reason))
+                                   r.finish_reason, (r.num_cached_tokens or 0) if first else None,
+                                   r.params.seed if first else None))
             if r.finish_reason is not None:
                 group = self._groups.get(r.group_id)
                 if group is not None and group.finished:

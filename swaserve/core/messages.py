@@ -44,6 +44,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # first delta only: prompt tokens served from the prefix cache
+    seed: int | None = None  # first delta only: the sampling seed in use (None: greedy, unseeded)
 
 
 class Rejected(msgspec.Struct, array_like=True):

@@ -255,6 +255,8 @@ class EngineClient:
                 self.metrics.itl.observe((now - track.last_token) / len(new_ids), len(new_ids))
             track.last_token = now
         upd = track.pending or Update(track.sub.index)
+        if delta.cached_tokens is not None:
+            upd.cached_tokens, upd.seed = delta.cached_tokens, delta.seed
         upd.text += detok.text[track.chars :]
         track.chars = len(detok.text)
         upd.token_ids += new_ids

@@ -34,4 +34,6 @@ class Update:
     finish_reason: str | None = None
     accepted: bool = False  # the first update of an added request, carrying `prompt_tokens`
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # with the first tokens: prompt tokens served from the prefix cache
+    seed: int | None = None  # with the first tokens: the sampling seed in use
     error: APIError | None = None  # add refused, engine failure or shutdown; ends the sub-request

@@ -23,9 +23,14 @@ _ENGINE_GAUGES = (
     ("generation_tokens_total", "swaserve_generation_tokens_total", "counter", "Tokens generated."),
     ("retractions_total", "swaserve_retractions_total", "counter",
      "Requests retracted (freed and re-queued) when KV memory ran out."),
+    ("prefix_cache_hit_tokens_total", "swaserve_prefix_cache_hit_tokens_total", "counter",
+     "Prompt tokens whose K/V came from the prefix cache."),
+    ("prefix_cache_miss_tokens_total", "swaserve_prefix_cache_miss_tokens_total", "counter",
+     "Prompt tokens prefilled because the prefix cache had no usable K/V for them."),
 )
 _POOL_GAUGES = (
     ("used", "swaserve_kv_used_tokens", "KV slots in use, per pool."),
+    ("cached", "swaserve_kv_cached_tokens", "KV slots held by the prefix cache and no running request, per pool."),
     ("total", "swaserve_kv_total_tokens", "KV slots in the pool, per pool."),
 )
 

@@ -51,8 +51,11 @@ def merge(batch: list[Update]) -> list[Update]:
                 upd.index, upd.text, list(upd.token_ids),
                 None if upd.logprobs is None else list(upd.logprobs),
                 None if upd.token_strs is None else dict(upd.token_strs), upd.finish_reason,
+                cached_tokens=upd.cached_tokens, seed=upd.seed,
             )
             continue
+        if prev.cached_tokens is None:
+            prev.cached_tokens, prev.seed = upd.cached_tokens, upd.seed
         prev.text += upd.text
         prev.token_ids += upd.token_ids
         if upd.logprobs is not None:
@@ -109,14 +112,22 @@ class Choices:
         self.text = [""] * num_choices
         self.tokens = [0] * num_choices
         self.finish: list[str | None] = [None] * num_choices
+        self.cached = [0] * num_choices  # prompt tokens served from the prefix cache
+        self.seed: list[int | None] = [None] * num_choices  # the sampling seed in use, where there is one
         self.lp_completion = [CompletionLogprobs() for _ in range(num_choices)]
         self.lp: list[Any] = [
             [] if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for _ in range(num_choices)
         ]
 
+    def note_first(self, upd: Update) -> None:
+        """Record what the first update of a choice carries (cached prompt tokens, seed)."""
+        if upd.cached_tokens is not None:
+            self.cached[upd.index], self.seed[upd.index] = upd.cached_tokens, upd.seed
+
     def add(self, upd: Update) -> None:
         i = upd.index
+        self.note_first(upd)
         self.text[i] += upd.text
         self.tokens[i] += len(upd.token_ids)
         self.finish[i] = upd.finish_reason or self.finish[i]
@@ -129,19 +140,26 @@ class Choices:
 
     def usage(self, prompt_tokens: dict[int, int]) -> dict[str, int]:
         # The prompt is counted once per prompt, not once per choice (as OpenAI does for n > 1).
-        prompt = sum(prompt_tokens.get(i, 0) for i in range(0, len(self.text), self.per_prompt))
+        firsts = range(0, len(self.text), self.per_prompt)
+        prompt = sum(prompt_tokens.get(i, 0) for i in firsts)
+        # A prompt's n choices share its K/V; the fewest any of them found cached is what it saved.
+        cached = sum(min(self.cached[i : i + self.per_prompt]) for i in firsts)
         completion = sum(self.tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def body(self, head: dict[str, Any], prompt_tokens: dict[int, int]) -> dict[str, Any]:
         choices = []
         for i, text in enumerate(self.text):
             lp = None if self.logprobs is None else ({"content": self.lp[i]} if self.chat else self.lp[i])
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": self.finish[i]})
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "logprobs": lp, "finish_reason": self.finish[i]}
             else:
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i]})
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i]}
+            if self.seed[i] is not None:
+                choice["seed"] = self.seed[i]  # resend with this seed for the same tokens
+            choices.append(choice)
         return {**head, "choices": choices, "usage": self.usage(prompt_tokens)}
 
 
@@ -160,6 +178,7 @@ async def stream_chunks(
         async for batch in gen.updates():
             for upd in merge(batch):
                 choices.tokens[upd.index] += len(upd.token_ids)
+                choices.note_first(upd)
                 lp: Any = None
                 if choices.logprobs is not None and upd.logprobs:
                     lp = ({"content": chat_logprobs(upd, choices.logprobs)} if chat
@@ -172,6 +191,8 @@ async def stream_chunks(
                 else:
                     choice = {"index": upd.index, "text": upd.text, "logprobs": lp,
                               "finish_reason": upd.finish_reason}
+                if upd.seed is not None:
+                    choice["seed"] = upd.seed
                 yield sse({**head, "choices": [choice], **usage_field})
     except APIError as e:
         yield sse(e.body())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -65,3 +66,34 @@ def test_real_nonstream_disconnect_frees_memory(real_server):
 
 def test_real_load_200_at_concurrency_128(real_server):
     run_load(real_server, make_workload(24, 6, seed=3, chat=False), 200, 128, timeout=240)
+
+
+def test_real_prefix_cache_reports_cached_tokens(real_server):
+    """A resent prompt prefills only its last token: usage.prompt_tokens_details.cached_tokens says so
+    (streamed usage too), the text is unchanged, and /metrics counts the hits."""
+    prompt = " ".join(f"item{i}" for i in range(120))  # ~300 tokens, unique to this test
+    body = {"model": real_server.model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    hits0 = real_server.metrics()["swaserve_prefix_cache_hit_tokens_total"]
+    first = httpx.post(real_server.base_url + "/completions", json=body, timeout=60).json()
+    second = httpx.post(real_server.base_url + "/completions", json=body, timeout=60).json()
+    n = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1  # the last token is recomputed
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    stream = {**body, "prompt": prompt + " and more", "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as http, http.stream("POST", real_server.base_url + "/completions", json=stream) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    cached = events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert n - 8 <= cached <= n, "the shared prefix (up to where the tokenizations diverge) is reused"
+    m = real_server.wait_idle(timeout=30)
+    assert m["swaserve_prefix_cache_hit_tokens_total"] - hits0 == n - 1 + cached
+    assert m['swaserve_kv_used_tokens{pool="full"}'] == 0 and m['swaserve_kv_cached_tokens{pool="full"}'] >= n
+
+
+def test_real_seeded_request_reports_its_seed(real_server):
+    body = {"model": real_server.model, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0.9, "seed": 7}
+    choice = httpx.post(real_server.base_url + "/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["seed"] == 7
+    greedy = httpx.post(real_server.base_url + "/completions", json={**body, "temperature": 0, "seed": None},
+                        timeout=60).json()["choices"][0]
+    assert "seed" not in greedy, "greedy and unseeded outside deterministic mode: no seed to report"
