@@ -59,9 +59,10 @@ def _bi_matmul_kernel(
             kmask = rk < k_end
             a = tl.load(x + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
                         mask=mmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + rk[:, None].to(tl.int64) * stride_wk,
-                        mask=nmask[None, :] & kmask[:, None], other=0.0)
-            acc += _dot(a, b, UPCAST, PREC)
+            # [BLOCK_N, BLOCK_K] with K innermost: vector loads from an output-major weight.
+            b = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + rk[None, :].to(tl.int64) * stride_wk,
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc += _dot(a, tl.trans(b), UPCAST, PREC)
         total += acc
     if SPLIT:
         tl.store(part + tl.program_id(2) * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :], total,
