@@ -4,7 +4,11 @@
 # (bs 1/16/64 x ctx 1k/8k vs the active-expert roofline), serve (200 requests @ 128 through `swaserve
 # serve` on a random-weight 26B-A4B directory), capacity (hybrid vs one pool); for issue 21:
 # served_vs_offline (its 256-request set on a random Gemma-3-1B), svo_poisson (the set as Poisson arrivals,
-# SVO_RATE req/s) and stress_1b (200 @ 128). Logs in $OUT/<step>.log;
+# SVO_RATE req/s; svo_poisson_512 with 512-token prefill chunks) and stress_1b (200 @ 128); for issue 20:
+# prefix_1b / prefix_4b (benchmarks/prefix_cache.py, cache on vs off); for issue 17: det_kernels (the
+# batch-invariant kernels natively), det_probes_{1b,4b,g4} (64 probes alone vs among 100 others, mode on
+# and off), det_cost_1b / det_cost_4b (decode step and offline throughput off vs on, top kernels) and
+# det_serve (200 @ 128 through the server with --enable-deterministic-inference). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -77,6 +81,28 @@ for step in "${steps[@]}"; do
             d=$(model_dir 1b)
             run svo_poisson 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
                 --num-requests 256 --request-rate "${SVO_RATE:-68}" --modes offline,stream ${SVO_ARGS:-} ;;
+        svo_poisson_512)  # smaller prefill chunks: shorter mixed steps (ITL) against later first tokens (TTFT)
+            d=$(model_dir 1b)
+            run svo_poisson_512 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
+                --num-requests 256 --request-rate "${SVO_RATE:-68}" --modes offline,stream --max-prefill-tokens 512 \
+                ${SVO_ARGS:-} ;;
+        prefix_1b|prefix_4b)
+            d=$(model_dir "${step#prefix_}")
+            run "$step" 400 python3 benchmarks/prefix_cache.py --model "$d" --load-format dummy ;;
+        det_kernels)
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run det_kernels 200 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_batch_invariant_kernels.py ;;
+        det_probes_1b|det_probes_4b|det_probes_g4)
+            shape=${step#det_probes_}
+            [ "$shape" = g4 ] && shape=gemma4-26b-a4b
+            run "$step" 400 python3 benchmarks/deterministic.py --model "$shape" --probes --control ;;
+        det_cost_1b|det_cost_4b)
+            run "$step" 400 python3 benchmarks/deterministic.py --model "${step#det_cost_}" --profile ;;
+        det_serve)
+            d=$(model_dir 1b)
+            run det_serve 300 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
+                --num-requests 200 --concurrency 128 --window 512 --max-tokens 256 -- --max-running-requests 128 \
+                --enable-deterministic-inference ;;
         stress_1b)
             d=$(model_dir 1b)
             run stress_1b 300 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
