@@ -1,5 +1,6 @@
 """Prefix cache on vs off in one call, offline engine: a long shared system prompt followed by many short
-questions, and multi-turn chats (each turn resends the whole conversation). Reports TTFT p50/p99,
+questions, multi-turn chats (each turn resends the whole conversation), and distinct long documents asked
+two questions each (where keeping only the window's SWA K/V per cached prefix saves memory). Reports TTFT p50/p99,
 output and prompt throughput, the cache hit rate, and the memory the cache holds per cached prefix
 against a cache that kept SWA K/V for every cached token (table + one JSON line per row).
 
@@ -8,7 +9,7 @@ against a cache that kept SWA K/V for every cached token (table + one JSON line 
     PYTHONPATH=. python benchmarks/prefix_cache.py --model DIR --load-format dummy --request-rate 20
     # CPU smoke on a tiny config
     PYTHONPATH=. python benchmarks/prefix_cache.py --shape tiny --load-format dummy --device cpu \\
-        --system-len 96 --num-questions 8 --chats 3 --turns 3 --max-tokens 8
+        --system-len 96 --num-questions 8 --chats 3 --turns 3 --docs 3 --doc-len 80 --max-tokens 8
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def run(args, engine_opts: dict, workload: str) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rng = random.Random(args.seed)
     # Warm-up on unrelated prompts of the workload's lengths (kernels compile here), then forget them.
-    for i, n in enumerate((args.system_len + 32, 64)):
+    for i, n in enumerate((args.system_len + 32, 64) if workload != "docs" else (args.doc_len + 32, 64)):
         engine.add_request(f"warm{i}", [rng.randrange(10, 1000) for _ in range(n)], params)
     while engine.has_unfinished():
         engine.step()
@@ -77,6 +78,10 @@ def run(args, engine_opts: dict, workload: str) -> dict:
     out_tokens = prompt_tokens = 0
     if workload == "system":
         todo = [(at, f"q{i}", p) for i, (at, p, _) in enumerate(system_workload(args, rng))]
+    elif workload == "docs":  # distinct long documents, each asked two questions (all at once)
+        docs = [[rng.randrange(10, 1000) for _ in range(args.doc_len)] for _ in range(args.docs)]
+        todo = [(0.0, f"d{d}q{q}", docs[d] + [rng.randrange(10, 1000) for _ in range(32)])
+                for q in range(2) for d in range(args.docs)]
     else:  # chats: turn 1 arrives at once; each later turn when the previous answer is complete
         system = [rng.randrange(10, 1000) for _ in range(args.system_len // 4)]
         convo = {c: system + [rng.randrange(10, 1000) for _ in range(48)] for c in range(args.chats)}
@@ -151,11 +156,13 @@ def main() -> None:
     p.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--workloads", default="system,chat")
+    p.add_argument("--workloads", default="system,chat,docs")
     p.add_argument("--system-len", type=int, default=2048)
     p.add_argument("--question-len", default="16,64")
     p.add_argument("--num-questions", type=int, default=128)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="questions/s (Poisson); inf: all at once")
+    p.add_argument("--docs", type=int, default=16, help="docs workload: distinct documents, two questions each")
+    p.add_argument("--doc-len", type=int, default=8192)
     p.add_argument("--chats", type=int, default=32)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -319,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="generate: offline with finished-only outputs (LLM.generate's way, the ratio's base); "
                         "offline: every step's outputs read (per-token timings)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="keep the prefix cache on (off by default: each mode resends the same prompts, and this "
+                        "benchmark measures serving overhead, not cache hits)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--make-random-model", nargs=2, metavar=("SHAPE", "DIR"), help="write a random Gemma 3 dir and exit")
     add_engine_flags(p)
@@ -329,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = engine_options(args)
     engine_flags = [a for a in (argv if argv is not None else sys.argv[1:]) if a]  # forwarded: engine flags only
     engine_flags = _engine_flags_only(p, engine_flags)
+    if not args.prefix_cache:
+        opts["disable_prefix_cache"] = True
+        engine_flags.append("--disable-prefix-cache")
     reqs = make_requests(args)
     modes = args.modes.split(",")
     rows: list[dict] = []
