@@ -8,14 +8,14 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from swaserve.engine import LLM
+    from swaserve.llm import LLM
     from swaserve.request import RequestOutput, SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import swaserve` stays cheap for the CLI's --help.
     if name == "LLM":
-        from swaserve.engine import LLM
+        from swaserve.llm import LLM
 
         return LLM
     if name in ("SamplingParams", "RequestOutput"):

@@ -77,7 +77,8 @@ def test_real_prefix_cache_reports_cached_tokens(real_server):
     first = httpx.post(real_server.base_url + "/completions", json=body, timeout=60).json()
     second = httpx.post(real_server.base_url + "/completions", json=body, timeout=60).json()
     n = first["usage"]["prompt_tokens"]
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    first_cached = first["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first_cached <= 1, "a new prompt shares at most the BOS token with earlier ones"
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1  # the last token is recomputed
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     stream = {**body, "prompt": prompt + " and more", "stream": True, "stream_options": {"include_usage": True}}
@@ -86,7 +87,7 @@ def test_real_prefix_cache_reports_cached_tokens(real_server):
     cached = events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert n - 8 <= cached <= n, "the shared prefix (up to where the tokenizations diverge) is reused"
     m = real_server.wait_idle(timeout=30)
-    assert m["swaserve_prefix_cache_hit_tokens_total"] - hits0 == n - 1 + cached
+    assert m["swaserve_prefix_cache_hit_tokens_total"] - hits0 == first_cached + n - 1 + cached
     assert m['swaserve_kv_used_tokens{pool="full"}'] == 0 and m['swaserve_kv_cached_tokens{pool="full"}'] >= n
 
 
