@@ -75,6 +75,17 @@ def _dot(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _dot_rows(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr):
+    """`_dot` whose every output row is computed the same way wherever it sits in the tile. Native
+    tl.dot is (one row's products summed in a fixed order); the CPU interpreter's numpy matmul is
+    not (OpenBLAS sums a row differently by its offset in the block), so under TRITON_INTERPRET
+    (`ROWWISE`) the product is an explicit multiply and a sum over K."""
+    if ROWWISE:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return _dot(a, b, UPCAST, PREC)
+
+
+@triton.jit
 def _scores(qk, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """Raw q.k -> logits in log2 units (so the softmax can use exp2)."""
     if HAS_SOFTCAP:

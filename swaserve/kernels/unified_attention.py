@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.kernels.common import _block_d, _dot, _finish, _online_step, _scores, dot_flags, jit_per_batch
+from swaserve.kernels.common import (
+    _block_d, _dot_rows, _finish, _online_step, _scores, dot_flags, interpret_mode, jit_per_batch,
+)
 
 BLOCK_M = 64  # rows of a tile: (token, query head of the kv head's group) pairs
 
@@ -28,7 +30,7 @@ def _unified_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -67,7 +69,7 @@ def _unified_kernel(
             slot = tl.load(full_to_swa + slot, mask=kmask, other=0).to(tl.int64)
         k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],
                       mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        s = _scores(_dot(q_t, tl.trans(k_t.to(q_t.dtype)), UPCAST, PREC), qk_scale, softcap, HAS_SOFTCAP)
+        s = _scores(_dot_rows(q_t, tl.trans(k_t.to(q_t.dtype)), UPCAST, PREC, ROWWISE), qk_scale, softcap, HAS_SOFTCAP)
         vis = rmask[:, None] & kmask[None, :] & (kp[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             vis = vis & (q_pos[:, None] - kp[None, :] < window)
@@ -75,7 +77,7 @@ def _unified_kernel(
         p, alpha, m, l = _online_step(s, m, l)
         v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
                       mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(q_t.dtype), v_t.to(q_t.dtype), UPCAST, PREC)
+        acc = acc * alpha[:, None] + _dot_rows(p.to(q_t.dtype), v_t.to(q_t.dtype), UPCAST, PREC, ROWWISE)
 
     o = _finish(acc, m, l, sinks, heads, rmask, HAS_SINKS)
     tl.store(out + (q_lo + t)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
@@ -136,6 +138,6 @@ def unified_attention(
         GROUP=group, GROUP_P=group_p, DK=DK, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_DK=bdk, BLOCK_DV=bdv, HAS_WINDOW=window is not None, HAS_MAP=full_to_swa is not None,
         HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None, UPCAST=upcast, PREC=prec,
-        num_warps=warps, num_stages=stages,
+        ROWWISE=interpret_mode(), num_warps=warps, num_stages=stages,
     )
     return out
