@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                          description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
-                                     "(an HTTP frontend process and an engine-core process).")
+                                     "(an HTTP frontend process and one engine-core process per "
+                                     "--data-parallel-size replica).")
     add_serve_flags(srv)
     srv.set_defaults(func=_serve)
     return parser

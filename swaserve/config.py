@@ -216,6 +216,8 @@ class ServerConfig:
     stream_interval: int = _opt(1, "tokens per SSE chunk (larger: fewer, bigger chunks; the last is sent at once)")
     chat_template: str | None = _opt(None, "Jinja chat template FILE for models without one (or `gemma`: the "
                                      "built-in Gemma turn format); chat without a template is an error")
+    data_parallel_size: int = _opt(1, "independent engine replicas (one engine-core process each; on CUDA replica i "
+                                   "runs on the i-th GPU); a new request goes to the one with the fewest in flight")
 
 
 @dataclass(frozen=True)

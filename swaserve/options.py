@@ -89,6 +89,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("stream_interval must be >= 1")
     if config.max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
+    if config.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {config.data_parallel_size}")
     return config
 
 

@@ -55,39 +55,55 @@ class CoreProcess:
     def start(self, timeout: float = 1800.0) -> Ready:
         """Start the core and wait until its engine is built; raises ValueError for bad input (a model
         path that does not exist, ...) and CoreStartupError for anything else."""
+        self.launch()
+        deadline = time.monotonic() + timeout
+        while (ready := self.poll_ready(100)) is None:
+            if time.monotonic() > deadline:
+                self.kill()
+                raise CoreStartupError(f"the engine core was not ready within {timeout:.0f} s")
+        return ready
+
+    def launch(self) -> None:
+        """Start the core process without waiting for it (then `poll_ready` until it answers)."""
         # The core must import what this process can (e.g. a test's fake engine next to the test).
         path = os.pathsep.join(p for p in sys.path if p)
         env = {**os.environ, "PYTHONPATH": path + os.pathsep + os.environ.get("PYTHONPATH", "")}
         cmd = [sys.executable, "-m", "swaserve.core", "--spec", msgspec.json.encode(self.spec).decode(),
                "--input", self.input_addr, "--output", self.output_addr, "--parent-pid", str(os.getpid())]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.outputs.poll(100):
-                msg = self.codec.decode_from_core(self.outputs.recv())
-                if isinstance(msg, Ready):
-                    return msg
-                if isinstance(msg, StartupFailed):
-                    self.proc.wait(30)
-                    raise (ValueError if msg.error_type == "ValueError" else CoreStartupError)(msg.message)
-            if self.proc.poll() is not None:
-                raise CoreStartupError(f"the engine core exited with code {self.proc.returncode} while starting")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise CoreStartupError(f"the engine core was not ready within {timeout:.0f} s")
+
+    def poll_ready(self, timeout_ms: int) -> Ready | None:
+        """The core's `Ready` if it came within `timeout_ms`, else None; raises ValueError (bad input)
+        or CoreStartupError when the core failed or exited while starting."""
+        assert self.proc is not None, "launch() first"
+        if self.outputs.poll(timeout_ms):
+            msg = self.codec.decode_from_core(self.outputs.recv())
+            if isinstance(msg, Ready):
+                return msg
+            if isinstance(msg, StartupFailed):
+                self.proc.wait(30)
+                raise (ValueError if msg.error_type == "ValueError" else CoreStartupError)(msg.message)
+        if self.proc.poll() is not None:
+            raise CoreStartupError(f"the engine core exited with code {self.proc.returncode} while starting")
+        return None
 
     def send(self, msg: ToCore) -> None:
         self._inputs.send(self.codec.encode(msg), zmq.NOBLOCK)
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """Ask the core to exit, wait up to `timeout` s (then kill it); its exit code."""
+    def request_stop(self) -> None:
+        """Ask the core to exit (`Shutdown`) without waiting for it."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 self.send(Shutdown())
             except zmq.ZMQError:
                 pass
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Ask the core to exit, wait up to `timeout` s (then kill it); its exit code."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.request_stop()
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(max(0.0, timeout))
             except subprocess.TimeoutExpired:
                 self.kill()
         self.close()

@@ -38,8 +38,8 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The app over a started engine core (`client.start_core()`); its lifespan starts reading the core's
-    outputs and, on shutdown, fails what is left and stops the core."""
+    """The app over started engine cores (`client.start_core()`); its lifespan starts reading the cores'
+    outputs and, on shutdown, fails what is left and stops the cores."""
     client = engine_client
     model_name = served_model_name or client.model_name
     created = int(time.time())
@@ -90,7 +90,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = client.metrics.render(client.snapshot, model_name)
+        text = client.metrics.render(client.snapshots, model_name, client.in_flight)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict[str, Any]:

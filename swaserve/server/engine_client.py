@@ -1,6 +1,7 @@
-"""EngineClient: the frontend's side of the engine core. Tokenizes (chat templates included), sends requests
-to the core process, reads its per-step outputs on the event loop, detokenizes incrementally (stop
-strings end a request here), and hands `Update`s to per-request asyncio queues.
+"""EngineClient: the frontend's side of the engine core(s). Tokenizes (chat templates included), sends
+requests to a core process (one of `--data-parallel-size` replicas, `CorePool`), reads their per-step
+outputs on the event loop, detokenizes incrementally (stop strings end a request here), and hands
+`Update`s to per-request asyncio queues.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import zmq.asyncio
 
 from swaserve.core.engine_core import CoreSpec
 from swaserve.core.messages import AbortRequests, AddRequest, RequestDelta, StepOutputs
-from swaserve.core.process import CoreProcess
 from swaserve.detokenizer import IncrementalDetokenizer
-from swaserve.request import SamplingParams
+from swaserve.server.core_pool import CorePool, replica_specs
 from swaserve.server.generation import Generation
+from swaserve.server.inputs import prompt_ids, sampling_params
 from swaserve.server.messages import SubRequest, Update
 from swaserve.server.metrics import ServerMetrics
 from swaserve.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
-LIVENESS_POLL_MS = 200  # with no output for this long, check that the core is still alive
+LIVENESS_POLL_MS = 200  # with no output for this long, check that a core is still alive
 
 _SHUTTING_DOWN = APIError(503, "server is shutting down", code="shutting_down")
 _CORE_DEAD = APIError(500, "the engine core process died; the server is restarting or exiting", code="engine_dead")
@@ -42,6 +43,7 @@ class _Track:
     arrival: float
     prompt_tokens: int
     detok: IncrementalDetokenizer
+    replica: int  # the engine core that runs it
     accepted: bool = False
     tokens: int = 0  # token ids handed out (posted or pending)
     chars: int = 0  # characters of detok.text handed out
@@ -51,23 +53,25 @@ class _Track:
 
 
 class EngineClient:
-    """Frontend handle on one engine-core process.
+    """Frontend handle on the engine-core processes (`data_parallel_size` replicas of `spec`).
 
     Invariants: only the event loop touches this object after `start()`; every open sub-request has
-    a `_Track`, and leaves it exactly once (finished, stopped by a stop string, aborted, refused or
-    failed), and the core is told to abort every one that leaves it unfinished. When the core dies,
-    every open request gets a 500 at once, `alive` turns False (/health: 503), and `on_fatal` runs.
+    a `_Track` naming its replica, and leaves it exactly once (finished, stopped by a stop string,
+    aborted, refused or failed; `_untrack`, which also ends its count in the pool), and its core is
+    told to abort every one that leaves it unfinished. When any core dies, every open request gets a
+    500 at once, `alive` turns False (/health: 503), and `on_fatal` runs (the server exits).
     """
 
     def __init__(self, spec: CoreSpec, tokenizer: Any, metrics: ServerMetrics | None = None,
-                 stream_interval: int = 1, on_fatal: Callable[[], None] | None = None):
+                 stream_interval: int = 1, on_fatal: Callable[[], None] | None = None, data_parallel_size: int = 1):
         self.spec = spec
+        self.data_parallel_size = data_parallel_size
         self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics()
         self.stream_interval = max(1, int(stream_interval))
         self.on_fatal = on_fatal
-        self.snapshot: dict[str, int] = {}
-        self.core: CoreProcess | None = None
+        self.snapshots: list[dict[str, int]] = []  # per replica: its engine counters after its last step
+        self.cores: CorePool | None = None
         self.model_name = "swaserve"
         self.max_context = 0
         self.core_died = False
@@ -75,43 +79,50 @@ class EngineClient:
         self._tracks: dict[str, _Track] = {}
         self._posts: dict[int, tuple[asyncio.Queue[list[Update]], list[Update]]] = {}
         self._token_text: dict[int, str] = {}
-        self._reader: asyncio.Task | None = None
+        self._readers: list[asyncio.Task] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def start_core(self) -> None:
-        """Start the engine core and wait until it is ready (before the HTTP server starts)."""
-        self.core = CoreProcess(self.spec)
-        try:
-            ready = self.core.start()
-        except BaseException:
-            self.core.kill()
-            self.core.close()
-            raise
+        """Start the engine cores and wait until all are ready (before the HTTP server starts); ValueError
+        for a bad `data_parallel_size` (more replicas than GPUs) or bad engine input."""
+        pool = CorePool(replica_specs(self.spec, self.data_parallel_size))
+        ready = pool.start()  # kills every core it started if one fails
+        self.cores, self.snapshots = pool, [{} for _ in range(len(pool))]
         self.model_name, self.max_context = ready.model_name, ready.max_context
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start reading the core's outputs on the running event loop."""
-        assert self.core is not None, "start_core() first"
-        self._reader = asyncio.ensure_future(self._read(zmq.asyncio.Socket.from_socket(self.core.outputs)))
+        """Start reading the cores' outputs on the running event loop (one reader per replica)."""
+        assert self.cores is not None, "start_core() first"
+        self._readers = [asyncio.ensure_future(self._read(i, zmq.asyncio.Socket.from_socket(core.outputs)))
+                         for i, core in enumerate(self.cores.cores)]
 
     async def stop(self, timeout: float = 30.0) -> None:
-        """Fail what is still open with a 503, stop the core (waiting up to `timeout` s) and the reader."""
+        """Fail what is still open with a 503, stop the readers and the cores (waiting up to `timeout` s)."""
         self._stopping = True
-        self._fail_all(_SHUTTING_DOWN, tell_core=False)
-        if self._reader is not None:
-            self._reader.cancel()
-        if self.core is not None:
-            core, self.core = self.core, None
-            await asyncio.to_thread(core.stop, timeout)
+        self._fail_all(_SHUTTING_DOWN)
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.to_thread(self.stop_cores, timeout)
+
+    def stop_cores(self, timeout: float = 30.0) -> None:
+        """Stop every core (any thread; `stop()` does it on the event loop, launch after a forced exit)."""
+        cores, self.cores = self.cores, None
+        if cores is not None:
+            cores.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self.core is not None and not self._stopping and not self.core_died
+        return self.cores is not None and not self._stopping and not self.core_died
 
     @property
-    def core_pid(self) -> int | None:
-        return self.core.pid if self.core is not None else None
+    def core_pids(self) -> list[int | None]:
+        return self.cores.pids if self.cores is not None else []
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Sub-requests in flight per replica (what routing balances)."""
+        return list(self.cores.in_flight) if self.cores is not None else [0] * len(self.snapshots)
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -120,72 +131,46 @@ class EngineClient:
             raise _CORE_DEAD if self.core_died else _SHUTTING_DOWN
         gen = Generation(subs, abort=self.abort)
         arrival = time.monotonic()
+        cores = self.cores
+        assert cores is not None
+        replica = cores.pick()  # n > 1: every choice on one replica
         for sub in subs:
             try:
-                ids = self._prompt_ids(sub)
-                params = self._sampling_params(sub, len(ids))
+                ids = prompt_ids(self.tokenizer, sub)
+                params = sampling_params(sub, len(ids), self.max_context)
             except (APIError, ValueError) as e:
                 self.metrics.count_rejected()
                 gen.queue.put_nowait([Update(sub.index, error=e if isinstance(e, APIError) else
                                              APIError(400, str(e), code="invalid_value"))])
                 continue
             detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
-            self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok)
+            self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica)
             sampling = {k: v for k, v in sub.sampling.items() if k != "stop"}
             sampling["max_tokens"] = params.max_tokens
-            self.core.send(AddRequest(sub.request_id, ids, sampling))  # type: ignore[union-attr]
+            cores.add(replica, AddRequest(sub.request_id, ids, sampling))
         return gen
 
     def abort(self, request_id: str) -> None:
-        if self._tracks.pop(request_id, None) is not None:
+        track = self._untrack(request_id)
+        if track is not None:
             self.metrics.count_aborted()
-            self._tell_abort([request_id])
+            self._tell_abort(track.replica, [request_id])
 
-    def _tell_abort(self, request_ids: list[str]) -> None:
-        if self.core is not None and not self.core_died:
-            self.core.send(AbortRequests(request_ids))
+    def _untrack(self, request_id: str) -> _Track | None:
+        track = self._tracks.pop(request_id, None)
+        if track is not None and self.cores is not None:
+            self.cores.done(track.replica)
+        return track
 
-    def _prompt_ids(self, sub: SubRequest) -> list[int]:
-        tok = self.tokenizer
-        prompt = sub.prompt
-        if sub.messages is not None:
-            try:
-                prompt = tok.apply_chat_template(sub.messages, add_generation_prompt=True)
-            except ValueError as e:  # no template (a base model), or the template rejected the messages
-                raise APIError(400, f"messages: {e}", param="messages") from e
-            except Exception as e:  # template errors (jinja raise_exception) are about the input
-                raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e
-        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
-        if not ids:
-            raise APIError(400, "prompt is empty after tokenization", param="prompt")
-        return ids
-
-    def _sampling_params(self, sub: SubRequest, prompt_len: int) -> SamplingParams:
-        kw = dict(sub.sampling)
-        param = "messages" if sub.messages is not None else "prompt"
-        room = self.max_context - prompt_len
-        if kw.get("max_tokens") is None:
-            if room < 1:
-                raise APIError(
-                    400, f"This model's maximum context length is {self.max_context} tokens, but the "
-                    f"{param} has {prompt_len} tokens, leaving no room for a completion.",
-                    param=param, code="context_length_exceeded",
-                )
-            kw["max_tokens"] = room
-        elif prompt_len + kw["max_tokens"] > self.max_context:
-            raise APIError(
-                400, f"This model's maximum context length is {self.max_context} tokens. However, you "
-                f"requested {prompt_len + kw['max_tokens']} tokens ({prompt_len} in the {param}, "
-                f"{kw['max_tokens']} in the completion). Please reduce the {param} or max_tokens.",
-                param="max_tokens" if room >= 1 else param, code="context_length_exceeded",
-            )
-        return SamplingParams(**kw)
+    def _tell_abort(self, replica: int, request_ids: list[str]) -> None:
+        if self.cores is not None and not self.core_died:
+            self.cores.send(replica, AbortRequests(request_ids))
 
     # ---- outputs -----------------------------------------------------------------------------------
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        core = self.core
-        assert core is not None
+    async def _read(self, replica: int, sock: zmq.asyncio.Socket) -> None:
+        assert self.cores is not None
+        core = self.cores.cores[replica]
         try:
             while True:
                 if not await sock.poll(LIVENESS_POLL_MS):
@@ -194,37 +179,35 @@ class EngineClient:
                     continue
                 msg = core.codec.decode_from_core(await sock.recv())
                 if isinstance(msg, StepOutputs):
-                    self._on_step(msg)
+                    self._on_step(replica, msg)
         except asyncio.CancelledError:
             return
         except Exception:
             logger.exception("reading the engine core's outputs failed")
-        if not self._stopping:
-            self._on_core_death()
+        if not self._stopping and not self.core_died:  # one death fails everything once
+            code = core.proc.returncode if core.proc is not None else None
+            logger.error("the engine core died (replica %d of %d, exit code %s); failing every open request",
+                         replica, len(self.snapshots), code)
+            self.core_died = True
+            self._fail_all(_CORE_DEAD)
+            if self.on_fatal is not None:
+                self.on_fatal()
 
-    def _on_core_death(self) -> None:
-        code = self.core.proc.returncode if self.core is not None and self.core.proc is not None else None
-        logger.error("the engine core died (exit code %s); failing every open request", code)
-        self.core_died = True
-        self._fail_all(_CORE_DEAD, tell_core=False)
-        if self.on_fatal is not None:
-            self.on_fatal()
-
-    def _on_step(self, msg: StepOutputs) -> None:
-        self.snapshot = msg.counters
+    def _on_step(self, replica: int, msg: StepOutputs) -> None:
+        self.snapshots[replica] = msg.counters
         for rid in msg.accepted:
             track = self._tracks.get(rid)
             if track is not None:
                 track.accepted = True
                 self._post(track, Update(track.sub.index, accepted=True, prompt_tokens=track.prompt_tokens))
         for rej in msg.rejected:
-            track = self._tracks.pop(rej.request_id, None)
+            track = self._untrack(rej.request_id)
             if track is not None:
                 self.metrics.count_rejected()
                 err = APIError(400, rej.message, code="invalid_value") if rej.status == 400 else _ENGINE_ERROR
                 self._post(track, Update(track.sub.index, error=err))
         for rid in msg.failed:
-            track = self._tracks.pop(rid, None)
+            track = self._untrack(rid)
             if track is not None:
                 self._post(track, Update(track.sub.index, error=_ENGINE_ERROR))
         now = time.monotonic()
@@ -243,7 +226,7 @@ class EngineClient:
             detok.step([tid])
             if detok.stopped:  # a stop string: this token is the last one reported
                 taken, finish = k + 1, "stop"
-                self._tell_abort([delta.request_id])
+                self._tell_abort(track.replica, [delta.request_id])
                 break
         if finish is not None and not detok.stopped:
             detok.flush()
@@ -269,7 +252,7 @@ class EngineClient:
         track.pending = None
         if finish is not None:
             upd.finish_reason = finish
-            del self._tracks[delta.request_id]
+            self._untrack(delta.request_id)
             self.metrics.count_finished(finish)
             self.metrics.e2e.observe(now - track.arrival)
         elif not (upd.text or upd.token_ids):
@@ -290,12 +273,11 @@ class EngineClient:
                 out[tid] = cache[tid]
         return out
 
-    def _fail_all(self, error: APIError, tell_core: bool) -> None:
-        tracks, self._tracks = self._tracks, {}
-        for track in tracks.values():
+    def _fail_all(self, error: APIError) -> None:
+        """End every open sub-request with `error` (shutdown, or a dead core: no core is told)."""
+        for track in list(self._tracks.values()):
+            self._untrack(track.sub.request_id)
             self._post(track, Update(track.sub.index, error=error))
-        if tell_core and tracks:
-            self._tell_abort(list(tracks))
         self._flush()
 
     def _post(self, track: _Track, update: Update) -> None:

@@ -1,4 +1,4 @@
-"""Starting the server: the engine core process, uvicorn on a socket we bind ourselves, signal handling,
+"""Starting the server: the engine core process(es), uvicorn on a socket we bind ourselves, signal handling,
 and the entry points `serve_main` (`swaserve serve`) and `main` (`python -m swaserve.server`).
 """
 
@@ -35,21 +35,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None) -> tuple[uvicorn.Server, socket.socket]:
-    """Start the engine core (waiting until it is ready) and return a ready-to-run uvicorn server with
-    its bound socket (port 0 picks a free port). Run it with `server.run(sockets=[sock])` (any thread;
-    signals are handled only in the main one). If the core dies, every open request fails, the server
-    stops, and `server.config.app.state.exit_code` is 1."""
+    """Start the engine cores (`config.data_parallel_size` replicas of `core`; waiting until all are
+    ready) and return a ready-to-run uvicorn server with its bound socket (port 0 picks a free port).
+    Run it with `server.run(sockets=[sock])` (any thread; signals are handled only in the main one).
+    If a core dies, every open request fails, the server stops, and `server.config.app.state.exit_code`
+    is 1. ValueError: more replicas than GPUs, or bad engine input."""
     from swaserve.server.app import create_app
     from swaserve.server.engine_client import EngineClient
 
     cfg = config or ServerConfig()
     holder: dict[str, uvicorn.Server] = {}
 
-    def on_fatal() -> None:  # the core died: stop serving, exit non-zero
+    def on_fatal() -> None:  # a core died: stop serving, exit non-zero
         app.state.exit_code = 1
         holder["server"].should_exit = True
 
-    client = EngineClient(core, tokenizer, stream_interval=cfg.stream_interval, on_fatal=on_fatal)
+    client = EngineClient(core, tokenizer, stream_interval=cfg.stream_interval, on_fatal=on_fatal,
+                          data_parallel_size=cfg.data_parallel_size)
     client.start_core()
     try:
         app = create_app(client, served_model_name=cfg.served_model_name, api_key=cfg.api_key,
@@ -63,14 +65,14 @@ def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = N
         holder["server"] = uvicorn.Server(uv_config)
         return holder["server"], bind_socket(cfg.host, cfg.port)
     except BaseException:
-        client.core.stop(5.0)  # type: ignore[union-attr]
+        client.stop_cores(5.0)
         raise
 
 
 def run_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None) -> int:
     """Serve until SIGINT/SIGTERM: stop accepting, let in-flight requests finish (up to the graceful
-    timeout, then cancel them), stop the engine core, release the port. Returns the exit code: 0, or 1
-    when the engine core died."""
+    timeout, then cancel them), stop the engine cores, release the port. Returns the exit code: 0, or 1
+    when an engine core died."""
     cfg = config or ServerConfig()
     server, sock = build_server(core, tokenizer, cfg)
     app = cast("FastAPI", server.config.app)
@@ -92,9 +94,8 @@ def run_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = Non
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        client = app.state.engine_client
-        if client.core is not None:  # normally stopped by the app's lifespan; this covers a forced exit
-            client.core.stop(5.0)
+        # Normally the app's lifespan stopped the cores; this covers a forced exit.
+        app.state.engine_client.stop_cores(5.0)
     return int(app.state.exit_code)
 
 
@@ -108,8 +109,9 @@ def core_spec(args: argparse.Namespace, cfg: ServerConfig, chat_template: str | 
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    """`swaserve serve` / `python -m swaserve.server`: an HTTP frontend (this process) and an engine-core
-    process, serving until SIGINT/SIGTERM. Returns the exit code (1: the engine core died)."""
+    """`swaserve serve` / `python -m swaserve.server`: an HTTP frontend (this process) and one engine-core
+    process per data-parallel replica, serving until SIGINT/SIGTERM. Returns the exit code (1: an engine
+    core died)."""
     from swaserve.options import server_config
     from swaserve.tokenizer import Tokenizer, load_chat_template
 

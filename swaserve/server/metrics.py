@@ -1,8 +1,9 @@
 """Server metrics: latency histograms and request counters, written as Prometheus text (format 0.0.4).
 
-The frontend's event loop observes and renders. Engine gauges and totals come from the counters the
+The frontend's event loop observes and renders. Engine gauges and totals come from the counters each
 engine core sends with every step (`Engine.counters()` names: the keys of `LLM.stats()`), so
-rendering never waits on the engine.
+rendering never waits on the engine. With data parallelism the unlabelled engine samples are sums
+over the replicas, and each engine family adds one sample per replica (`replica="i"`).
 """
 
 from __future__ import annotations
@@ -98,18 +99,34 @@ class ServerMetrics:
         with self._lock:
             self._rejected += 1
 
-    def render(self, snapshot: Mapping[str, int | float], model_name: str) -> str:
+    def render(self, snapshots: Sequence[Mapping[str, int | float]], model_name: str, in_flight: Sequence[int] = ()) -> str:
+        """Prometheus text. `snapshots`: each replica's latest engine counters; `in_flight`: each
+        replica's sub-requests in flight from this frontend. With one replica the engine families
+        have only their unlabelled sample; with more, also one `replica="i"` sample each, and the
+        unlabelled one is their sum (aggregate one or the other, not both)."""
         lines: list[str] = [
             "# HELP swaserve_model_info The model being served.",
             "# TYPE swaserve_model_info gauge",
             f'swaserve_model_info{{model="{_label(model_name)}"}} 1',
         ]
+        total: dict[str, int | float] = {}
+        for snap in snapshots:
+            for key, value in snap.items():
+                total[key] = total.get(key, 0) + value
+        replicas = list(enumerate(snapshots)) if len(snapshots) > 1 else []
         for suffix, name, help in _POOL_GAUGES:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
             for pool in ("full", "swa"):
-                lines.append(f'{name}{{pool="{pool}"}} {_num(snapshot.get(f"{pool}_tokens_{suffix}", 0))}')
+                key = f"{pool}_tokens_{suffix}"
+                lines.append(f'{name}{{pool="{pool}"}} {_num(total.get(key, 0))}')
+                lines += [f'{name}{{pool="{pool}",replica="{i}"}} {_num(snap.get(key, 0))}' for i, snap in replicas]
         for key, name, kind, help in _ENGINE_GAUGES:
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_num(snapshot.get(key, 0))}"]
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_num(total.get(key, 0))}"]
+            lines += [f'{name}{{replica="{i}"}} {_num(snap.get(key, 0))}' for i, snap in replicas]
+        name = "swaserve_replica_requests_in_flight"
+        lines += [f"# HELP {name} Engine requests (one per choice) sent to the replica and not yet ended; "
+                  "a new request goes to the replica with the fewest.", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{replica="{i}"}} {count}' for i, count in enumerate(in_flight)]
         with self._lock:
             finished, aborted, rejected = dict(self._finished), self._aborted, self._rejected
         name = "swaserve_requests_finished_total"

@@ -181,7 +181,7 @@ def _cpu_ticks(pid: int) -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
 def test_idle_engine_core_sleeps(fake_server):
     fake_server.wait_idle()
-    pid = fake_server.client_state.core_pid
+    pid = fake_server.client_state.core_pids[0]
     assert pid is not None and pid != os.getpid()
     before = _cpu_ticks(pid)
     time.sleep(1.0)
