@@ -78,6 +78,7 @@ class EngineCore:
                 trace.close()
 
     def _loop(self, trace: Any) -> None:
+        self._send([])  # the counters before any step: /metrics shows every replica's pools from the start
         poll_ms = 0
         last_parent_check = time.monotonic()
         while True:

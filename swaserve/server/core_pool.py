@@ -21,10 +21,11 @@ def visible_gpus() -> int:
 
 
 def replica_specs(spec: CoreSpec, n: int, gpu_count: Callable[[], int] = visible_gpus) -> list[CoreSpec]:
-    """The `CoreSpec` of each of `n` replicas. On CUDA replica i gets the GPU after replica i-1's:
-    `cuda:{k + i}` for a device `cuda:k` (`cuda`: k = 0); on CPU every replica gets "cpu". A spec
+    """The `CoreSpec` of each of `n` replicas. On CUDA replica i starts on the GPU after replica i-1's:
+    `cuda:{k + i * tp}` for a device `cuda:k` (`cuda`: k = 0), where a replica takes tp GPUs
+    (`tensor_parallel_size`, 1 without tensor parallelism); on CPU every replica gets "cpu". A spec
     without a `device` keyword (a test's fake engine) and a single replica are used as they are.
-    Raises ValueError for n < 1 or more replicas than visible GPUs."""
+    Raises ValueError for n < 1 or more GPUs than are visible."""
     if n < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {n}")
     if n == 1 or "device" not in spec.kwargs:
@@ -37,13 +38,13 @@ def replica_specs(spec: CoreSpec, n: int, gpu_count: Callable[[], int] = visible
         return [CoreSpec(spec.factory, {**spec.kwargs, "device": device})] * n
     if index and not index.isdigit():
         raise ValueError(f"invalid device {device!r}")
-    # NOTE: with tensor parallelism a replica takes tp GPUs, and replica i starts at cuda:{k + i * tp}.
     first, count = int(index or 0), gpu_count()
-    if first + n > count:
+    tp = int(spec.kwargs.get("tensor_parallel_size") or 1)
+    if first + n * tp > count:
         raise ValueError(
-            f"--data-parallel-size {n} on device {device!r} needs GPUs cuda:{first}..cuda:{first + n - 1} "
-            f"(one per replica), but {count} GPU(s) are visible")
-    return [CoreSpec(spec.factory, {**spec.kwargs, "device": f"cuda:{first + i}"}) for i in range(n)]
+            f"--data-parallel-size {n} on device {device!r} needs GPUs cuda:{first}.."
+            f"cuda:{first + n * tp - 1} ({tp} per replica), but {count} GPU(s) are visible")
+    return [CoreSpec(spec.factory, {**spec.kwargs, "device": f"cuda:{first + i * tp}"}) for i in range(n)]
 
 
 class CorePool:
@@ -83,11 +84,11 @@ class CorePool:
         except BaseException:
             self.kill()
             raise
-        first = ready[0]
-        if any((r.model_name, r.max_context) != (first.model_name, first.max_context) for r in ready.values()):
+        models = {(r.model_name, r.max_context) for r in ready.values()}
+        if len(models) > 1:
             self.kill()
-            raise CoreStartupError(f"the replicas disagree on the model: {[(r.model_name, r.max_context) for r in ready.values()]}")
-        return first
+            raise CoreStartupError(f"the replicas disagree on the model (name, context): {sorted(models)}")
+        return ready[0]
 
     # ---- routing -----------------------------------------------------------------------------------
 

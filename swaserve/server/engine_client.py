@@ -63,7 +63,8 @@ class EngineClient:
     """
 
     def __init__(self, spec: CoreSpec, tokenizer: Any, metrics: ServerMetrics | None = None,
-                 stream_interval: int = 1, on_fatal: Callable[[], None] | None = None, data_parallel_size: int = 1):
+                 stream_interval: int = 1, on_fatal: Callable[[], None] | None = None,
+                 data_parallel_size: int = 1):
         self.spec = spec
         self.data_parallel_size = data_parallel_size
         self.tokenizer = tokenizer

@@ -99,7 +99,8 @@ class ServerMetrics:
         with self._lock:
             self._rejected += 1
 
-    def render(self, snapshots: Sequence[Mapping[str, int | float]], model_name: str, in_flight: Sequence[int] = ()) -> str:
+    def render(self, snapshots: Sequence[Mapping[str, int | float]], model_name: str,
+               in_flight: Sequence[int] = ()) -> str:
         """Prometheus text. `snapshots`: each replica's latest engine counters; `in_flight`: each
         replica's sub-requests in flight from this frontend. With one replica the engine families
         have only their unlabelled sample; with more, also one `replica="i"` sample each, and the
@@ -119,7 +120,8 @@ class ServerMetrics:
             for pool in ("full", "swa"):
                 key = f"{pool}_tokens_{suffix}"
                 lines.append(f'{name}{{pool="{pool}"}} {_num(total.get(key, 0))}')
-                lines += [f'{name}{{pool="{pool}",replica="{i}"}} {_num(snap.get(key, 0))}' for i, snap in replicas]
+                lines += [f'{name}{{pool="{pool}",replica="{i}"}} {_num(snap.get(key, 0))}'
+                          for i, snap in replicas]
         for key, name, kind, help in _ENGINE_GAUGES:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_num(total.get(key, 0))}"]
             lines += [f'{name}{{replica="{i}"}} {_num(snap.get(key, 0))}' for i, snap in replicas]

@@ -28,7 +28,8 @@ def test_serve_entry_points_take_the_same_flags():
     assert _flags(serve) == _flags(module_parser)
     flags = _flags(serve)
     for flag in ("--log-level", "--graceful-timeout", "--access-log", "--max-body-bytes", "--stream-interval",
-                 "--chat-template", "--schedule-policy", "--max-running-requests", "--kv-cache-mb"):
+                 "--chat-template", "--schedule-policy", "--max-running-requests", "--kv-cache-mb",
+                 "--data-parallel-size"):
         assert flag in flags
     assert "--engine-option" not in flags and "--max-body-mb" not in flags
 
