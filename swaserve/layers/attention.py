@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from swaserve.attention.base import AttentionSpec
+from swaserve.distributed.state import shard_heads
 from swaserve.layers.linear import MergedLinear, OutLinear
 from swaserve.layers.norm import RMSNorm
 from swaserve.layers.rotary import RotaryEmbedding
@@ -26,6 +27,9 @@ class SelfAttention(nn.Module):
     k_norm, sinks. Gemma 4 forms: `k_eq_v` (no v_proj: V is the raw key projection), `v_norm` (V
     RMS-normed without weight), `kv_shared` (q_proj only: the layer reads the K/V its source layer
     wrote this step and stores nothing; the pool routes its layer id to the source's buffers).
+
+    Tensor parallelism: `num_heads`/`num_kv_heads` are the model's; the layer holds this rank's
+    heads (`distributed.state.HeadShard`), column-parallel q/k/v, row-parallel o_proj.
     """
 
     def __init__(
@@ -51,12 +55,20 @@ class SelfAttention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads_total, self.num_kv_heads_total = num_heads, num_kv_heads
+        part = shard_heads(num_heads, num_kv_heads)
+        self.q_start = part.q_start
+        num_heads, num_kv_heads = part.num_heads, part.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.k_eq_v, self.kv_shared = k_eq_v, kv_shared
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        shards = [q_size] if kv_shared else [q_size, kv_size] if k_eq_v else [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(hidden_size, shards, qkv_bias)
-        self.o_proj = OutLinear(q_size, hidden_size, bias=o_bias)
+        hf_q, hf_kv = self.num_heads_total * head_dim, self.num_kv_heads_total * head_dim
+        q = (part.q_start * head_dim, hf_q)
+        kv = (part.kv_start * head_dim, hf_kv)
+        sizes, rows = ([q_size], [q]) if kv_shared else ([q_size, kv_size], [q, kv]) if k_eq_v else (
+            [q_size, kv_size, kv_size], [q, kv, kv])
+        self.qkv_proj = MergedLinear(hidden_size, sizes, qkv_bias, rows)
+        self.o_proj = OutLinear(q_size, hidden_size, bias=o_bias, shard=q)
         self.q_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None else None
         self.k_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None and not kv_shared else None
         self.v_norm = RMSNorm(head_dim, **v_norm, scale=False) if v_norm is not None and not kv_shared else None
@@ -72,6 +84,12 @@ class SelfAttention(nn.Module):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
         )
+
+    def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's query heads of the per-head sinks."""
+        if param_name == "sinks" and tensor.shape[0] == self.num_heads_total != self.num_heads:
+            return tensor.narrow(0, self.q_start, self.num_heads)
+        return tensor
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, partial_sums: bool = False) -> torch.Tensor:
         """`[num_tokens, hidden]` -> `[num_tokens, hidden]`, or o_proj's split-K partial sums

@@ -6,26 +6,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swaserve.distributed.state import all_gather_last, all_reduce, tp_group, vocab_shard
 from swaserve.layers.activation import soft_cap
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def _vocab_rows(tensor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """This rank's block of an HF `[vocab, ...]` tensor, zero-padded to the common block size."""
+    start, rows, padded = vocab_shard(vocab_size)
+    if tensor.shape[0] != vocab_size or padded == vocab_size:
+        return tensor
+    block = tensor.new_zeros(padded, *tensor.shape[1:])
+    block[:rows] = tensor[start : start + rows]
+    return block
+
+
 class VocabEmbedding(nn.Module):
-    """Looks up token rows; `scale` (Gemma: sqrt(hidden)) is rounded to the model dtype first, as HF does."""
+    """Looks up token rows; `scale` (Gemma: sqrt(hidden)) is rounded to the model dtype first, as HF does.
+
+    Vocab-parallel under tensor parallelism: each rank holds a block of `ceil(vocab / ranks)` rows
+    (`distributed.state.vocab_shard`), looks up the ids in its block (zeros elsewhere), and the
+    ranks' results are summed.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None):
         super().__init__()
+        self.vocab_size = vocab_size
+        self.start, _, rows = vocab_shard(vocab_size)
         self.scale = scale
         # The scale rounded to each float dtype, computed here so no forward (traced or captured
         # ones included) ever converts a tensor to a Python number.
         self._scaled: dict[torch.dtype, float] = (
             {} if scale is None else {dt: float(torch.tensor(scale, dtype=dt, device="cpu")) for dt in _FLOAT_DTYPES}
         )
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # [vocab, hidden]
+        self.parallel = tp_group().enabled
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))  # [vocab (this rank's block), hidden]
+
+    def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return _vocab_rows(tensor, self.vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] int64 -> [num_tokens, hidden]
-        h = F.embedding(input_ids, self.weight)
+        if self.parallel:
+            local = input_ids - self.start
+            mine = (local >= 0) & (local < self.weight.shape[0])
+            h = F.embedding(local * mine, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+            all_reduce(h)
+        else:
+            h = F.embedding(input_ids, self.weight)
         if self.scale is not None:
             # sqrt(3072) = 55.43 becomes 55.5 in bf16; HF multiplies by the rounded value. A Python
             # float (exactly that rounded value) keeps the multiply free of host-to-device copies,
@@ -42,6 +70,8 @@ class LMHead(nn.Module):
 
     `batch_invariant` (deterministic mode): logits from `invariant_linear` on every path, and greedy
     and sampled tokens from those logits (no fused head kernel, whose tiles follow the batch size).
+    Vocab-parallel under tensor parallelism (the embedding's row blocks): each rank's logits block
+    is gathered, so every rank holds the whole row; greedy is the argmax of that.
     """
 
     batch_invariant = False
@@ -49,28 +79,35 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tied: bool, final_softcap: float | None = None):
         super().__init__()
         self.tied = tied
+        self.vocab_size = vocab_size
         self.final_softcap = final_softcap
-        self.weight = None if tied else nn.Parameter(torch.empty(vocab_size, hidden_size))  # [vocab, hidden]
+        self.parallel = tp_group().enabled
+        rows = vocab_shard(vocab_size)[2]
+        self.weight = None if tied else nn.Parameter(torch.empty(rows, hidden_size))  # [vocab (rank's block), hidden]
+
+    def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return _vocab_rows(tensor, self.vocab_size)
 
     def forward(self, hidden: torch.Tensor, embedding: VocabEmbedding, out: torch.Tensor | None = None) -> torch.Tensor:
         """`[n, vocab]` float32 logits, written into `out` when given. On CUDA a 16-bit model's GEMM
         writes float32 directly (one pass over the logits instead of three, and no rounding of the
         logits to 16 bits); elsewhere the GEMM runs in the model dtype and is cast."""
         weight = embedding.weight if self.tied else self.weight
+        dst = None if self.parallel else out  # a rank's GEMM writes its vocab block only
         if self.batch_invariant:
             from swaserve.layers.batch_invariant import invariant_linear
 
             logits = invariant_linear(hidden, weight, out_dtype=torch.float32)
-            if out is not None:
-                logits = out.copy_(logits)
         elif hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
-            if out is None:
-                out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
-            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)
+            if dst is None:
+                dst = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=dst)
         else:
             logits = F.linear(hidden, weight).float()
-            if out is not None:
-                logits = out.copy_(logits)
+        if self.parallel:
+            logits = all_gather_last(logits)[:, : self.vocab_size]
+        if out is not None and logits is not out:
+            logits = out.copy_(logits)
         if self.final_softcap is None:
             return logits
         if out is None:
@@ -82,7 +119,8 @@ class LMHead(nn.Module):
         a 16-bit model takes it without writing the logits (`kernels.lm_head_argmax`); elsewhere
         it is the argmax of `forward`."""
         weight = embedding.weight if self.tied else self.weight
-        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and not self.batch_invariant:
+        fused = not (self.batch_invariant or self.parallel)
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and fused:
             from swaserve.kernels.lm_head_argmax import lm_head_argmax
 
             x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
@@ -94,9 +132,9 @@ class LMHead(nn.Module):
         """`[n]` int64 on CUDA, without writing the logits: a draw from `softmax(logits * inv_t)` per
         row with a positive inverse temperature (Gumbel noise from the row's seed), the argmax where
         it is 0 (`kernels.lm_head_argmax`)."""
-        if not hidden.is_cuda or self.batch_invariant:
-            raise ValueError("sampling in the LM head runs on CUDA outside deterministic mode; "
-                             "elsewhere use the logits and the Sampler")
+        if not hidden.is_cuda or self.batch_invariant or self.parallel:
+            raise ValueError("sampling in the LM head runs on CUDA outside deterministic mode and tensor "
+                             "parallelism; elsewhere use the logits and the Sampler")
         from swaserve.kernels.lm_head_argmax import lm_head_argmax
 
         weight = embedding.weight if self.tied else self.weight

@@ -7,20 +7,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swaserve.distributed.state import all_reduce, tp_group
+
 
 class MergedLinear(nn.Module):
     """`y = x @ W.T (+ b)` where W stacks the row blocks of several HF projections.
 
     Invariant: shard i occupies output rows `offsets[i] : offsets[i] + out_sizes[i]` of `weight` and
-    `bias`; `load_shard` is the only way an HF tensor gets into a block.
+    `bias`; `load_shard` is the only way an HF tensor gets into a block. Column-parallel (tensor
+    parallelism): `shards[i] = (start, hf_rows)`: HF tensor i has `hf_rows` rows, of which this rank
+    holds `out_sizes[i]` from `start`.
     """
 
     batch_invariant = False  # deterministic mode: rows do not depend on the batch (`layers.batch_invariant`)
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool,
+                 shards: list[tuple[int, int]] | None = None):
         super().__init__()
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
+        self.shards = list(shards) if shards is not None else [(0, n) for n in out_sizes]
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         total = sum(out_sizes)
         self.weight = nn.Parameter(torch.empty(total, in_features))  # [sum(out_sizes), in]
@@ -37,6 +43,9 @@ class MergedLinear(nn.Module):
         """Copy HF tensor `tensor` into block `shard` of `weight` or `bias` (`param_name`)."""
         param = getattr(self, param_name)
         block = param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
+        start, hf_rows = self.shards[shard]
+        if hf_rows != block.shape[0] and tensor.shape[0] == hf_rows:
+            tensor = tensor.narrow(0, start, block.shape[0])  # this rank's rows
         if tuple(tensor.shape) != tuple(block.shape):
             raise ValueError(f"shard {shard} of {param_name}: expected shape {tuple(block.shape)}, "
                              f"got {tuple(tensor.shape)}")
@@ -49,6 +58,10 @@ class MergedLinear(nn.Module):
 class OutLinear(nn.Linear):
     """An output projection (o_proj, down_proj) feeding a residual add.
 
+    Row-parallel under tensor parallelism: built with this rank's `in_features` (its heads or its
+    slice of the intermediate size, starting at `in_start` of the HF input dimension); the partial
+    products are summed over the ranks, then the (replicated) bias is added once.
+
     `forward(x, partial_sums=True)` may return float32 split-K partial sums `[S, M, N]` instead of
     `[M, N]`: without bias, where `skinny_gemm.use_skinny(x)` (opt-in, CUDA, decode-sized batches):
     the weight stream needs more programs than N's tiles give. `add_norm` sums them; nothing else
@@ -58,12 +71,33 @@ class OutLinear(nn.Linear):
     _splits: int | None = None
     batch_invariant = False  # deterministic mode: always `[M, N]` from `invariant_linear`
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 shard: tuple[int, int] | None = None):
+        """`shard = (start, hf_in_features)`: row-parallel, this rank's inputs start at `start`."""
+        super().__init__(in_features, out_features, bias=bias)
+        self.shard = shard if shard is not None else (0, in_features)
+        self.reduce = tp_group().enabled
+
+    def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's input columns of an HF weight (the bias is whole on every rank)."""
+        start, hf_in = self.shard
+        if param_name == "weight" and hf_in != self.in_features and tensor.shape[-1] == hf_in:
+            return tensor.narrow(1, start, self.in_features)
+        return tensor
+
     def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:
+        if self.reduce:
+            y = self._local(x, None)
+            all_reduce(y)
+            return y + self.bias if self.bias is not None else y
+        return self._local(x, self.bias, partial_sums)
+
+    def _local(self, x: torch.Tensor, bias: torch.Tensor | None, partial_sums: bool = False) -> torch.Tensor:
         if self.batch_invariant:
             from swaserve.layers.batch_invariant import invariant_linear
 
-            return invariant_linear(x, self.weight, self.bias)
-        if partial_sums and x.is_cuda and self.bias is None:
+            return invariant_linear(x, self.weight, bias)
+        if partial_sums and x.is_cuda and bias is None:
             from swaserve.kernels.common import num_sms
             from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits, use_skinny
 
@@ -71,4 +105,4 @@ class OutLinear(nn.Linear):
                 if self._splits is None:
                     self._splits = skinny_gemm_splits(self.out_features, self.in_features, num_sms(x.device))
                 return skinny_gemm(x if x.stride(1) == 1 else x.contiguous(), self.weight, self._splits)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, bias)

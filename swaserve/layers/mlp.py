@@ -5,17 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from swaserve.distributed.state import shard_size, tp_group
 from swaserve.layers.activation import fused_activation_name, get_activation
 from swaserve.layers.linear import MergedLinear, OutLinear
 
 
 class GatedMLP(nn.Module):
-    """gate and up projections run as one merged GEMM (`gate_up_proj`, shards 0 and 1)."""
+    """gate and up projections run as one merged GEMM (`gate_up_proj`, shards 0 and 1). Tensor
+    parallelism splits the intermediate size: column-parallel gate/up, row-parallel down."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
-        self.down_proj = OutLinear(intermediate_size, hidden_size, bias=bias)
+        local = shard_size(intermediate_size, "intermediate size")
+        part = (tp_group().rank * local, intermediate_size)
+        self.gate_up_proj = MergedLinear(hidden_size, [local, local], bias, [part, part])
+        self.down_proj = OutLinear(local, hidden_size, bias=bias, shard=part)
         self.act = get_activation(activation)
         self.fused_act = fused_activation_name(activation)  # None: no fused kernel for it
 

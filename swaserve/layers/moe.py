@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swaserve.distributed.state import all_reduce, shard_size, tp_group
+
 
 class TopKRouter(nn.Module):
     """Picks `top_k` experts per token; their weights are a softmax over the selected logits only."""
@@ -30,7 +32,11 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """E expert MLPs stored stacked, input-major (`x @ W`), as GPT-OSS checkpoints store them."""
+    """E expert MLPs stored stacked, input-major (`x @ W`), as GPT-OSS checkpoints store them.
+
+    Tensor parallelism splits every expert's intermediate size (a contiguous run of interleaved
+    gate/up column pairs per rank); the down bias is added on rank 0 only, before the sum over ranks.
+    """
 
     batch_invariant = False  # deterministic mode: an expert's rows (its tokens) vary in number
 
@@ -39,10 +45,26 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.act = act  # maps [.., 2I] gate_up to [.., I]
+        self.tp = tp_group()
+        self.hf_intermediate = intermediate_size
+        intermediate_size = shard_size(intermediate_size, "expert intermediate size")
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return tensor
+        local = self.hf_intermediate // self.tp.size
+        start = self.tp.rank * local
+        if param_name in ("gate_up_proj", "gate_up_proj_bias"):
+            return tensor.narrow(-1, 2 * start, 2 * local)
+        if param_name == "down_proj":
+            return tensor.narrow(1, start, local)
+        if param_name == "down_proj_bias" and self.tp.rank:
+            return torch.zeros_like(tensor)
+        return tensor
 
     def forward(
         self,
@@ -60,7 +82,7 @@ class Experts(nn.Module):
             h = self.act(_linear(x[token], self.gate_up_proj[e].T, self.gate_up_proj_bias[e], bi))
             y = _linear(h, self.down_proj[e].T, self.down_proj_bias[e], bi)
             out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
-        return out
+        return all_reduce(out)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
@@ -120,7 +142,8 @@ class NormRouter(nn.Module):
 class StackedExperts(nn.Module):
     """E gated expert MLPs stored output-major (`x @ W.T`, nn.Linear style) without biases, as Gemma 4
     checkpoints store them: `gate_up_proj` [E, 2I, hidden] (gate rows first), `down_proj` [E, hidden, I].
-    Runs `fused_moe.moe_experts`: a sorted grouped GEMM on CUDA, a per-expert loop elsewhere."""
+    Runs `fused_moe.moe_experts`: a sorted grouped GEMM on CUDA, a per-expert loop elsewhere. Tensor
+    parallelism splits every expert's intermediate size; the outputs are summed over the ranks."""
 
     batch_invariant = False  # deterministic mode (`layers.batch_invariant`)
 
@@ -132,8 +155,22 @@ class StackedExperts(nn.Module):
         if act is None:
             raise ValueError(f"no fused expert activation for {activation!r}")
         self.activation = act
+        self.tp = tp_group()
+        self.hf_intermediate = intermediate_size
+        intermediate_size = shard_size(intermediate_size, "expert intermediate size")
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return tensor
+        full, local = self.hf_intermediate, self.hf_intermediate // self.tp.size
+        start = self.tp.rank * local
+        if param_name == "gate_up_proj":  # gate rows then up rows: this rank's run of each
+            return torch.cat([tensor.narrow(1, start, local), tensor.narrow(1, full + start, local)], dim=1)
+        if param_name == "down_proj":
+            return tensor.narrow(2, start, local)
+        return tensor
 
     def forward(
         self,
@@ -144,5 +181,5 @@ class StackedExperts(nn.Module):
     ) -> torch.Tensor:
         from swaserve.layers.fused_moe import moe_experts
 
-        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid,
-                           self.batch_invariant)
+        return all_reduce(moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid,
+                                      self.batch_invariant))

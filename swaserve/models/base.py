@@ -222,6 +222,10 @@ class CausalLM(nn.Module):
         param = params.get(target)
         if param is None:
             raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
+        owner, _, pname = target.rpartition(".")
+        tp_slice = getattr(self.get_submodule(owner), "tp_slice", None)
+        if tp_slice is not None:  # tensor parallelism: this rank's part of the HF tensor
+            tensor = tp_slice(pname, tensor)
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
         param.data.copy_(tensor)

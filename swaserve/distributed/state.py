@@ -1,0 +1,132 @@
+"""This process's place in the tensor-parallel group (rank, size, the torch.distributed groups), the
+collectives the model layers call, and the arithmetic of who holds which heads and vocabulary rows.
+
+Set once per process by `init_tensor_parallel` before the model is built; at size 1 every collective
+is the identity and nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """`group`: the device group (NCCL on GPUs, gloo on CPU) the layers' collectives run on;
+    `cpu_group`: a gloo group for host messages (the step broadcast), the same group on CPU."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    cpu_group: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+
+_TP = TPGroup()
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); the GPU image's torch 2.11 has only it.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def tp_group() -> TPGroup:
+    return _TP
+
+
+def set_tp_group(group: TPGroup) -> None:
+    global _TP
+    _TP = group
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over the ranks, in place (a row-parallel projection's partial outputs)."""
+    tp = _TP
+    if tp.enabled:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """`[n, d]` on every rank -> `[n, size * d]`: rank r's columns at `r*d : (r+1)*d` (vocab-parallel logits)."""
+    tp = _TP
+    if not tp.enabled:
+        return x
+    n, d = x.shape
+    out = x.new_empty(tp.size * n, d)  # rank r's rows at r*n : (r+1)*n
+    _all_gather(out, x.contiguous(), group=tp.group)
+    return out.view(tp.size, n, d).transpose(0, 1).reshape(n, tp.size * d)
+
+
+def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank, in place (sampled tokens: every rank records the same ones)."""
+    tp = _TP
+    if tp.enabled:
+        dist.broadcast(x, src=0, group=tp.group)
+    return x
+
+
+def gather_digests(digest: torch.Tensor) -> torch.Tensor:
+    """Every rank's `[k]` int64 CPU digest, `[size, k]` (host group)."""
+    tp = _TP
+    out = digest.new_empty(tp.size * digest.numel())
+    _all_gather(out, digest.contiguous(), group=tp.cpu_group)
+    return out.view(tp.size, -1)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """Which attention heads one rank computes. Query heads split evenly; K/V heads split evenly where
+    there are at least as many as ranks, otherwise each rank holds a copy of the one K/V head its
+    query heads read (Gemma-3-1B's single K/V head is replicated on every rank)."""
+
+    num_heads: int  # local query heads
+    num_kv_heads: int  # local K/V heads
+    q_start: int  # first global query head
+    kv_start: int  # first global K/V head
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, rank: int | None = None, size: int | None = None) -> HeadShard:
+    rank = _TP.rank if rank is None else rank
+    size = _TP.size if size is None else size
+    check_heads(num_heads, num_kv_heads, size)
+    q = num_heads // size
+    if num_kv_heads >= size:
+        kv = num_kv_heads // size
+        return HeadShard(q, kv, rank * q, rank * kv)
+    # Query heads of K/V head j are j*G .. (j+1)*G-1 (G = num_heads / num_kv_heads); this rank's fall in one.
+    return HeadShard(q, 1, rank * q, rank * q // (num_heads // num_kv_heads))
+
+
+def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
+    """ValueError unless `size` ranks can split these heads (see `HeadShard`)."""
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the number of attention heads ({num_heads})")
+    if num_kv_heads >= size and num_kv_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the number of K/V heads ({num_kv_heads}) "
+                         "or be a multiple of it")
+    if num_kv_heads < size and size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} must be a multiple of the number of K/V heads "
+                         f"({num_kv_heads}) when it exceeds it")
+
+
+def shard_size(total: int, what: str, size: int | None = None) -> int:
+    """`total / size` (intermediate sizes, expert widths); ValueError when it does not divide."""
+    size = _TP.size if size is None else size
+    if total % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the {what} ({total})")
+    return total // size
+
+
+def vocab_shard(vocab_size: int, rank: int | None = None, size: int | None = None) -> tuple[int, int, int]:
+    """`(start, rows, padded)`: this rank's vocabulary rows `start : start + rows`; every rank's block is
+    `padded = ceil(vocab / size)` rows (the last one zero-padded), so gathered logits line up."""
+    rank = _TP.rank if rank is None else rank
+    size = _TP.size if size is None else size
+    padded = -(-vocab_size // size)
+    start = min(rank * padded, vocab_size)
+    return start, min(padded, vocab_size - start), padded
