@@ -236,10 +236,24 @@ class RunnerConfig:
         False, "batch-invariant kernels: a request gets the same tokens alone or in any batch (costs some speed)")
 
 
-ENGINE_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig)
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: one process per rank, each with its shard of the model and its own pools."""
+
+    tensor_parallel_size: int = _opt(1, "ranks (devices) the model is split over: attention heads, MLP and "
+                                     "expert widths, vocabulary", alt_flags=("--tp",))
+    nnodes: int = _opt(1, "nodes the tensor-parallel ranks span (ranks split evenly)")
+    node_rank: int = _opt(0, "this node's index (0 runs the engine and the server; others only ranks)")
+    dist_init_addr: str | None = _opt(None, "HOST:PORT of node 0 for torch.distributed's rendezvous "
+                                      "(default: a free local port; needed with --nnodes > 1)")
 
 
-def split_engine_options(options: dict[str, Any]) -> tuple[CacheConfig, SchedulerConfig, RunnerConfig]:
+ENGINE_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig)
+
+
+def split_engine_options(
+    options: dict[str, Any],
+) -> tuple[CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig]:
     """Distribute flat `LLM(**engine_options)` keywords over the config dataclasses by field name."""
     from dataclasses import fields
 
@@ -249,7 +263,7 @@ def split_engine_options(options: dict[str, Any]) -> tuple[CacheConfig, Schedule
     if unknown:
         raise ValueError(f"unknown engine option(s) {unknown}; valid options: {', '.join(valid)}")
     built = [cls(**{k: v for k, v in options.items() if k in owned[cls]}) for cls in ENGINE_OPTION_OWNERS]
-    cache, sched, runner = built
+    cache, sched, runner, par = built
     if sched.max_running_requests < 1:
         raise ValueError("max_running_requests must be >= 1")
     if sched.max_prefill_tokens < 1:
@@ -258,4 +272,10 @@ def split_engine_options(options: dict[str, Any]) -> tuple[CacheConfig, Schedule
         raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {sched.schedule_policy!r}")
     if cache.swa_evict_chunk < 1 or cache.swa_evict_margin < 0:
         raise ValueError("swa_evict_chunk must be >= 1 and swa_evict_margin >= 0")
-    return cache, sched, runner  # type: ignore[return-value]
+    if par.tensor_parallel_size < 1 or par.nnodes < 1 or not 0 <= par.node_rank < par.nnodes:
+        raise ValueError("tensor_parallel_size and nnodes must be >= 1 and node_rank in [0, nnodes)")
+    if par.tensor_parallel_size % par.nnodes:
+        raise ValueError(f"nnodes {par.nnodes} must divide tensor_parallel_size {par.tensor_parallel_size}")
+    if par.nnodes > 1 and not par.dist_init_addr:
+        raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0)")
+    return cache, sched, runner, par  # type: ignore[return-value]

@@ -9,8 +9,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from swaserve.config import ModelConfig, split_engine_options
+from swaserve.config import ModelConfig, RunnerConfig, SchedulerConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
+from swaserve.distributed.lead import TensorParallel
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
 from swaserve.runner.launcher import LaunchedStep, StepLauncher
@@ -73,6 +74,21 @@ class _Group:
         return True
 
 
+def load_engine_model(model: str | LoadedModel | None, device: torch.device, dtype: torch.dtype,
+                      sched_cfg: SchedulerConfig, runner_cfg: RunnerConfig) -> tuple[LoadedModel, ModelConfig]:
+    """The loaded model (this rank's shard under tensor parallelism) and its config with the context
+    cap applied (`max_context`; 4096 on CPU by default): what every rank builds its runtime from."""
+    from swaserve.loader import load_model
+
+    loaded = (model if isinstance(model, LoadedModel)
+              else load_model(model, device, dtype, load_format=runner_cfg.load_format))
+    cap = sched_cfg.max_context or (CPU_DEFAULT_MAX_CONTEXT if device.type == "cpu" else None)
+    config = loaded.config
+    if cap is not None:
+        config = dataclasses.replace(config, max_context=min(cap, config.max_context))
+    return loaded, config
+
+
 def default_overlap(device: torch.device) -> bool:
     """Overlap scheduling pays off where the model runs asynchronously to the host: on a GPU."""
     return device.type == "cuda"
@@ -96,17 +112,18 @@ class Engine:
         are the caller's business (the server's engine core: its frontend detokenizes).
         `engine_options`: fields of the cache, scheduler and runner configs (`swaserve.config`),
         e.g. `max_running_requests=128, overlap_schedule=False`."""
-        from swaserve.loader import load_model
         from swaserve.runtime import build_runtime
 
-        cache_cfg, sched_cfg, runner_cfg = split_engine_options(engine_options)
+        cache_cfg, sched_cfg, runner_cfg, par_cfg = split_engine_options(engine_options)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
-        loaded = (model if isinstance(model, LoadedModel)
-                  else load_model(model, self.device, self.dtype, load_format=runner_cfg.load_format))
-        cap = sched_cfg.max_context or (CPU_DEFAULT_MAX_CONTEXT if self.device.type == "cpu" else None)
-        config = loaded.config
-        if cap is not None:
-            config = dataclasses.replace(config, max_context=min(cap, config.max_context))
+        self.tp: TensorParallel | None = None
+        if par_cfg.tensor_parallel_size > 1:
+            if isinstance(model, LoadedModel):
+                raise ValueError("tensor parallelism loads each rank's shard itself: give a model path (or None), "
+                                 "not a LoadedModel")
+            self.tp = TensorParallel.start(par_cfg, model, self.device, self.dtype, engine_options)
+            self.device = self.tp.device
+        loaded, config = load_engine_model(model, self.device, self.dtype, sched_cfg, runner_cfg)
         self.model_config: ModelConfig = config
         self.tokenizer = loaded.tokenizer
         if chat_template is not None and self.tokenizer is not None:
@@ -117,7 +134,8 @@ class Engine:
         self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
         rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg)
         self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
-        self.launcher = StepLauncher(self.runner)
+        self._runtime = rt
+        self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
         overlap = runner_cfg.overlap_schedule
         self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
         self.stats = EngineStats()
@@ -170,6 +188,19 @@ class Engine:
     def abort(self, request_id: str) -> None:
         if self._groups.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
+
+    def check_integrity(self) -> None:
+        """The scheduler's invariants (request table, both pools, prefix cache) and, under tensor
+        parallelism, that every rank's device tables equal rank 0's."""
+        self.scheduler.check_integrity()
+        if self.tp is not None:
+            self.tp.check_tables(self._runtime)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them); idempotent."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

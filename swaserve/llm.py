@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from typing_extensions import Self
+
 from swaserve.engine import Engine
 from swaserve.request import RequestOutput, SamplingParams
 
@@ -13,12 +15,23 @@ from swaserve.request import RequestOutput, SamplingParams
 class LLM:
     """Offline batch generation: `LLM().generate(prompts, SamplingParams(...))`.
 
-    `model=None` loads the embedded Gemma 3 270M; `device=None` picks CUDA when available.
+    `model=None` loads the embedded Gemma 3 270M; `device=None` picks CUDA when available. With
+    `tensor_parallel_size=N` the other N-1 ranks run in processes of their own until `close()`
+    (or the end of a `with` block, or of this process).
     """
 
     def __init__(self, model: str | None = None, device: Any = None, dtype: Any = None, **engine_options: Any):
         self.engine = Engine(model, device=device, dtype=dtype, **engine_options)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

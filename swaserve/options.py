@@ -36,7 +36,7 @@ def _add_field(group: Any, cls: type, f: Field, kind: type) -> None:
             group.add_argument(alias, dest=f.name, action="store_const", const=False, help=argparse.SUPPRESS)
         return
     metavar = None if meta.get("choices") else flag[2:].replace("-", "_").upper()
-    group.add_argument(flag, dest=f.name, type=kind, default=None, choices=meta.get("choices"), metavar=metavar,
+    group.add_argument(flag, *meta.get("alt_flags", ()), dest=f.name, type=kind, default=None, choices=meta.get("choices"), metavar=metavar,
                        help=help_text)
 
 

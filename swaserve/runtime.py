@@ -3,12 +3,14 @@ scheduler, from a loaded model and the configs."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swaserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from swaserve.config import CacheConfig, KVGroup, ModelConfig, RunnerConfig, SchedulerConfig
+from swaserve.distributed.state import tp_group
 from swaserve.memory import (
     MemoryPlan,
     ReqToTokenPool,
@@ -37,6 +39,31 @@ class Runtime:
     scheduler: Scheduler
 
 
+def rank_kv_config(config: ModelConfig) -> ModelConfig:
+    """`config` with the K/V heads this tensor-parallel rank caches (`distributed.state.shard_heads`);
+    unchanged at one rank."""
+    tp = tp_group()
+    if not tp.enabled:
+        return config
+
+    def local(group: KVGroup) -> KVGroup:
+        heads = group.num_kv_heads // tp.size if group.num_kv_heads >= tp.size else 1
+        return dataclasses.replace(group, num_kv_heads=heads)
+
+    return dataclasses.replace(config, full_group=local(config.full_group), swa_group=local(config.swa_group))
+
+
+def common_budget(budget: int) -> int:
+    """The smallest rank's KV budget, so every rank plans the same pool sizes (the scheduler on rank 0
+    hands out slots that must exist on every rank)."""
+    tp = tp_group()
+    if not tp.enabled:
+        return budget
+    t = torch.tensor([budget], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=tp.cpu_group)
+    return int(t[0])
+
+
 def build_runtime(
     config: ModelConfig,
     model: nn.Module,
@@ -50,8 +77,9 @@ def build_runtime(
 
     kv_dtype = cache.dtype or dtype
     ctx = config.max_context
+    config = rank_kv_config(config)
     plan = plan_memory(
-        kv_budget_bytes(device, cache),
+        common_budget(kv_budget_bytes(device, cache)),
         config.full_group,
         config.swa_group,
         kv_dtype,

@@ -4,4 +4,5 @@ import sys
 
 from swaserve.core.engine_core import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a tensor-parallel rank, spawned from the core, imports this module
+    sys.exit(main())

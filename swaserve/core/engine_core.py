@@ -83,9 +83,8 @@ class EngineCore:
         last_parent_check = time.monotonic()
         while True:
             busy = self.engine.has_unfinished()
-            if self.inbox.poll(poll_ms if busy else IDLE_POLL_MS):
-                if not self._drain():
-                    return
+            if self.inbox.poll(poll_ms if busy else IDLE_POLL_MS) and not self._drain():
+                return
             now = time.monotonic()
             if now - last_parent_check > IDLE_POLL_MS / 1000:
                 last_parent_check = now
@@ -208,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     name = getattr(engine, "model_name", None) or "swaserve"
     outbox.send(codec.encode(Ready(name, int(engine.model_config.max_context), os.getpid())))
-    EngineCore(engine, inbox, outbox, args.parent_pid).run()
+    try:
+        EngineCore(engine, inbox, outbox, args.parent_pid).run()
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()  # the other tensor-parallel ranks, if any
     inbox.close(linger=0)
     outbox.close(linger=1000)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,20 @@ class LoadedModel:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_hf_config(model: str | None) -> Any:
+    """The transformers config of `model` (None: the embedded default), without loading weights."""
+    from swaserve.loader.resolve import resolve_model
+
+    resolved = resolve_model(model)
+    if resolved.kind == "gguf":
+        from swaserve.loader.gguf import load_gguf_config
+
+        return load_gguf_config(Path(resolved.path))
+    from swaserve.loader.hf_dir import load_hf_config as from_dir
+
+    return from_dir(Path(resolved.path))
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_context: int | None = None,
@@ -52,7 +66,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_
 
         hf_config = load_hf_config(path)
         has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-        tokenizer = Tokenizer.from_hf_dir(path) if load_format == "auto" or has_tokenizer else None
+        # No tokenizer files (e.g. a random-weight test checkpoint): prompts must be token ids.
+        tokenizer = Tokenizer.from_hf_dir(path) if has_tokenizer else None
         weights = iter_safetensors(path) if load_format == "auto" else iter(())
     config = ModelConfig.from_hf(hf_config, max_context=max_context)
     module = build_model(config, dtype, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from swaserve.h2d import copy_into, to_device
+from swaserve.memory.table_ops import TableOp
 
 
 class ReqToTokenPool:
@@ -28,6 +29,9 @@ class ReqToTokenPool:
         )  # [R+1, C] int32, cpu mirror
         self._free_rows = list(range(max_reqs, 0, -1))  # popped from the end: lowest row first
         self._live: set[int] = set()
+        # Tensor parallelism: every device write is also recorded here for the other ranks' tables
+        # (`distributed.table_log`); None: no other rank.
+        self.log: list[list] | None = None
 
     def available(self) -> int:
         return len(self._free_rows)
@@ -46,6 +50,8 @@ class ReqToTokenPool:
         self._host[row].zero_()
         if self._host is not self.req_to_token:
             self.req_to_token[row].zero_()
+        if self.log is not None:
+            self.log.append([TableOp.ZERO_ROW, row])
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
@@ -58,6 +64,8 @@ class ReqToTokenPool:
         self._host[row, start:end] = host
         if self._host is not self.req_to_token:
             copy_into(self.req_to_token[row, start:end], host)
+        if self.log is not None:
+            self.log.append([TableOp.WRITE, row, start, host.tolist()])
 
     def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """Record one slot per (row, position) pair in one copy: the decode step's table update."""
@@ -69,6 +77,8 @@ class ReqToTokenPool:
         if self._host is not self.req_to_token:
             dev = to_device(torch.stack([r, p, host.to(torch.int64)]), self.device)  # one copy: [3, n]
             self.req_to_token[dev[0], dev[1]] = dev[2].to(torch.int32)
+        if self.log is not None:
+            self.log.append([TableOp.WRITE_TOKENS, list(rows), list(positions), host.tolist()])
 
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Full-pool slots of positions start .. end-1 (int64, cpu), read from the host mirror."""

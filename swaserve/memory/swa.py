@@ -22,6 +22,7 @@ import torch
 from swaserve.h2d import to_device
 from swaserve.memory.allocator import TokenToKVPoolAllocator
 from swaserve.memory.kv_pool import KVPool
+from swaserve.memory.table_ops import TableOp
 
 if TYPE_CHECKING:
     from swaserve.config import ModelConfig
@@ -151,6 +152,7 @@ class SWATokenToKVPoolAllocator:
             if self.device.type == "cpu"
             else self.full_to_swa.to(device=self.device, dtype=torch.int32)
         )  # [full_size+2] int32, device
+        self.log: list[list] | None = None  # tensor parallelism: mapping writes, for the other ranks
 
     @property
     def size(self) -> int:
@@ -164,6 +166,8 @@ class SWATokenToKVPoolAllocator:
         self.swa.clear()
         self.full_to_swa[:-1] = 0
         self.full_to_swa_device[:-1] = 0
+        if self.log is not None:
+            self.log.append([TableOp.CLEAR_MAP])
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Take n full slots (int64, cpu), each paired with a fresh SWA slot; all or none."""
@@ -210,6 +214,8 @@ class SWATokenToKVPoolAllocator:
         if self.full_to_swa_device.data_ptr() != self.full_to_swa.data_ptr():
             dev = to_device(torch.stack([full, swa]), self.device)  # one copy: [2, n]
             self.full_to_swa_device[dev[0]] = dev[1].to(torch.int32)
+        if self.log is not None:
+            self.log.append([TableOp.MAP, full.tolist(), swa.tolist()])
 
     def swa_used(self) -> int:
         return self.swa.used()

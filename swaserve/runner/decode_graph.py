@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swaserve.runner.graph_buffers import SEQ_LEN_FILL, DecodeInputBuffers, capture_batch_sizes, padded_batch_size
+from swaserve.runner.graph_buffers import (
+    SEQ_LEN_FILL,
+    DecodeInputBuffers,
+    capture_batch_sizes,
+    padded_batch_size,
+)
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch

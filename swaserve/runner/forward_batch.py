@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from swaserve.h2d import to_device
@@ -17,6 +18,35 @@ if TYPE_CHECKING:
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill: new tokens on top of an optional cached prefix, per request
     DECODE = "decode"  # one new token per request
+
+
+class ForwardInputs(msgspec.Struct, array_like=True):
+    """A step's inputs as host lists: what `ForwardBatch.build` takes, and what rank 0 sends the other
+    tensor-parallel ranks (encoded with msgspec, no pickle)."""
+
+    mode: str  # ForwardMode value
+    input_ids: list[int] | None
+    positions: list[int]
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    out_cache_loc: Any  # [num_tokens] full-pool slots: an int64 CPU tensor, a list once encoded
+    extend_prefix_lens: list[int] | None = None
+    extend_seq_lens: list[int] | None = None
+    table_inputs: list[tuple[int, int]] | None = None
+
+    def build(self, device: torch.device | str) -> ForwardBatch:
+        locs = self.out_cache_loc
+        if not isinstance(locs, torch.Tensor):
+            locs = torch.tensor(locs, dtype=torch.int64)
+        return ForwardBatch.build(ForwardMode(self.mode), self.input_ids, self.positions, self.req_pool_indices,
+                                  self.seq_lens, locs, device, self.extend_prefix_lens, self.extend_seq_lens,
+                                  self.table_inputs)
+
+    def encodable(self) -> ForwardInputs:
+        """A copy whose every field msgspec can encode."""
+        if not isinstance(self.out_cache_loc, torch.Tensor):
+            return self
+        return msgspec.structs.replace(self, out_cache_loc=self.out_cache_loc.tolist())
 
 
 @dataclass

@@ -14,6 +14,7 @@ from swaserve.runner.sampler import Sampler, SamplerOutput
 from swaserve.runner.sampling_batch import SamplingBatch, distinct_params, is_plain_greedy
 
 if TYPE_CHECKING:
+    from swaserve.distributed.lead import StepLead
     from swaserve.runner.model_runner import ModelRunner
     from swaserve.scheduler.batch import ScheduleBatch
     from swaserve.scheduler.req import Req
@@ -44,18 +45,23 @@ class LaunchedStep:
 
 class StepLauncher:
     """Launches scheduled steps on the runner's device: the only code that moves sampled tokens
-    between the device and the host. Nothing here waits on the device."""
+    between the device and the host. Nothing here waits on the device. Under tensor parallelism
+    (`lead`, rank 0) each step's inputs go to the other ranks first and its tokens after sampling."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None):
+    def __init__(self, runner: ModelRunner, lead: StepLead | None = None, sampler: Sampler | None = None):
         self.runner = runner
+        self.lead = lead
         self.sampler = sampler or Sampler(batch_invariant=runner.deterministic)
         self.device = runner.device
         self.vocab_size = runner.model_config.vocab_size
 
     def launch(self, batch: ScheduleBatch) -> LaunchedStep:
-        fb = batch.to_forward_batch(self.device)
-        hidden = self.runner.forward_hidden(fb)  # [bs, hidden]
+        inputs = batch.forward_inputs()
         idx = batch.sample_indices()
+        if self.lead is not None:
+            self.lead.send(inputs, idx)
+        fb = inputs.build(self.device)
+        hidden = self.runner.forward_hidden(fb)  # [bs, hidden]
         if not idx:
             return LaunchedStep(batch, [], None, None, None)
         reqs = [batch.reqs[i] for i in idx]
@@ -71,13 +77,16 @@ class StepLauncher:
         else:
             sb = self._sampling_batch(reqs, params, distinct, rows)
             # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
-            # goes through the Sampler, so a row's path does not depend on its neighbours' settings).
-            if sb.inv_temperatures is not None and not self.runner.deterministic:
+            # goes through the Sampler, so a row's path does not depend on its neighbours' settings;
+            # nor under tensor parallelism, where the head's logits are gathered first).
+            if sb.inv_temperatures is not None and not self.runner.deterministic and self.lead is None:
                 tokens = self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds)
                 out = SamplerOutput(tokens, None, None, None)
             else:
                 out = self.sampler(self.runner.logits(hidden), sb)
             asked = [p.logprobs for p in params] if sb.max_num_logprobs is not None else None
+        if self.lead is not None:
+            self.lead.share(out.next_token_ids)
         self.runner.record_sampled(rows, out.next_token_ids)
         if self.device.type != "cuda":
             return LaunchedStep(batch, reqs, asked, out, None)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from swaserve.distributed.state import tp_group
 from swaserve.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class ModelRunner:
         if hidden.is_cuda and self.deterministic:
             for n in (1, 65):  # greedy is logits + argmax here; the bi_matmul split and one-program forms
                 self.greedy_tokens(hidden.new_zeros(n, hidden.shape[1]))
-        elif hidden.is_cuda:
+        elif hidden.is_cuda and not tp_group().enabled:  # (tensor parallelism: logits + argmax, as above)
             from swaserve.kernels.lm_head_argmax import SMALL_M, gumbel_noise
             from swaserve.kernels.top_p import top_p_threshold
 

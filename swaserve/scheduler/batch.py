@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+from swaserve.runner.forward_batch import ForwardBatch, ForwardInputs, ForwardMode
 from swaserve.scheduler.req import Req
 
 
@@ -45,12 +45,16 @@ class ScheduleBatch:
         last known token), for drivers that sample on the host and never fill the runner's table;
         only right when no step is in flight (a mixed batch takes every input the host has from
         the host, whatever this says)."""
+        return self.forward_inputs(host_decode_inputs).build(device)
+
+    def forward_inputs(self, host_decode_inputs: bool = False) -> ForwardInputs:
+        """The step's inputs as host lists (`to_forward_batch` builds on them)."""
         seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
-        rows = [r.row for r in self.reqs]
+        rows: list[int] = [r.row for r in self.reqs]  # type: ignore[misc]
+        locs = self.out_cache_loc
         if self.mode is ForwardMode.DECODE and not host_decode_inputs:
             # Inputs are the last sampled tokens, read on the device (the host may not have them yet).
-            return ForwardBatch.build(self.mode, None, self.prefix_lens, rows, seq_lens,  # type: ignore[arg-type]
-                                      self.out_cache_loc, device)
+            return ForwardInputs(self.mode.value, None, list(self.prefix_lens), rows, seq_lens, locs)
         input_ids: list[int] = []
         positions: list[int] = []
         # A mixed batch's decode row whose input (the token sampled by the step in flight) the host
@@ -63,6 +67,5 @@ class ScheduleBatch:
             else:
                 input_ids.extend(r.ids[p : p + n])
             positions.extend(range(p, p + n))
-        return ForwardBatch.build(self.mode, input_ids, positions, rows, seq_lens, self.out_cache_loc,  # type: ignore[arg-type]
-                                  device, extend_prefix_lens=list(self.prefix_lens),
-                                  extend_seq_lens=list(self.extend_lens), table_inputs=from_table or None)
+        return ForwardInputs(self.mode.value, input_ids, positions, rows, seq_lens, locs, list(self.prefix_lens),
+                             list(self.extend_lens), from_table or None)

@@ -47,6 +47,14 @@ def gemma3() -> Any:
                                             "sliding_attention"], rope_parameters=rope)
 
 
+def gemma3_mqa() -> Any:
+    """One K/V head (Gemma-3-1B's form: tensor-parallel ranks each keep a copy) and a vocabulary that
+    two ranks cannot split evenly."""
+    return tf.Gemma3TextConfig(**{**COMMON, "num_key_value_heads": 1, "vocab_size": 163}, num_hidden_layers=3,
+                               head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
 def gpt_oss() -> Any:
     # YaRN as GPT-OSS ships it (no truncation), scaled down to this context.
     rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -90,6 +98,7 @@ FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
     "qwen3": (qwen3, tf.Qwen3ForCausalLM),
     "gemma2": (gemma2, tf.Gemma2ForCausalLM),
     "gemma3": (gemma3, tf.Gemma3ForCausalLM),
+    "gemma3_mqa": (gemma3_mqa, tf.Gemma3ForCausalLM),
     "gpt_oss": (gpt_oss, tf.GptOssForCausalLM),
     "gemma4": (gemma4, tf.Gemma4ForCausalLM),
     "gemma4_ple": (gemma4_ple, tf.Gemma4ForCausalLM),

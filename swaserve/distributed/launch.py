@@ -1,0 +1,141 @@
+"""Starting tensor-parallel ranks: rank 0 is the engine's own process; this module spawns the other
+ranks of this node (one process each, one device each), joins the torch.distributed group, and takes
+the engine down with a clear error when a rank dies (a collective would otherwise wait forever)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from swaserve.config import ParallelConfig
+from swaserve.distributed.state import TPGroup, set_tp_group
+
+logger = logging.getLogger(__name__)
+DEATH_GRACE_S = 2.0  # after a rank dies, the engine's own collective gets this long to fail first
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank's process needs to build its shard (picklable: it crosses a spawn)."""
+
+    rank: int
+    world_size: int
+    init_addr: str  # HOST:PORT of the rendezvous
+    device: str  # "cpu" or "cuda:<local rank>"
+    model: str | None
+    dtype: Any
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    parent_pid: int = 0  # the process that spawned this rank: when it is gone, the rank exits
+
+
+def rank_device(device: torch.device, rank: int, par: ParallelConfig) -> torch.device:
+    """Rank r's device: `cuda:<r's index on its node>` on GPUs; every rank on the CPU otherwise."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", rank % (par.tensor_parallel_size // par.nnodes))
+
+
+def check_devices(device: torch.device, par: ParallelConfig) -> None:
+    per_node = par.tensor_parallel_size // par.nnodes
+    if device.type == "cuda" and per_node > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {par.tensor_parallel_size} over {par.nnodes} node(s) needs "
+                         f"{per_node} GPUs per node; this node has {torch.cuda.device_count()}")
+
+
+def free_local_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device) -> TPGroup:
+    """Join the group (NCCL on GPUs, gloo on CPU, plus a gloo group for host messages) and make it
+    this process's tensor-parallel group."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=30), **kw)
+    world = dist.group.WORLD
+    cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
+    group = TPGroup(rank, world_size, world, cpu_group)
+    set_tp_group(group)
+    return group
+
+
+class RankProcesses:
+    """The other ranks this process started. A rank that exits while the engine runs is fatal: the
+    error is logged and, unless the engine is closing by then, this process exits (code 1) after
+    `DEATH_GRACE_S` (a NCCL collective waiting on a dead peer never returns)."""
+
+    def __init__(self, specs: list[RankSpec]):
+        from swaserve.distributed.worker import run_rank
+
+        ctx = mp.get_context("spawn")
+        self.procs = {s.rank: ctx.Process(target=run_rank, args=(s,), name=f"swaserve-tp{s.rank}", daemon=True)
+                      for s in specs}
+        for p in self.procs.values():
+            p.start()
+        self.closing = False
+        atexit.register(self._at_exit)  # runs before multiprocessing terminates its daemonic children
+        self._watch = threading.Thread(target=self._watch_ranks, name="swaserve-tp-watch", daemon=True)
+        self._watch.start()
+
+    def _watch_ranks(self) -> None:
+        by_sentinel = {p.sentinel: (r, p) for r, p in self.procs.items()}
+        ready = multiprocessing.connection.wait(list(by_sentinel))
+        if self.closing:
+            return
+        rank, proc = by_sentinel[ready[0]]  # type: ignore[index]
+        proc.join(1)
+        logger.error("tensor-parallel rank %d exited (code %s): the engine cannot go on without it; exiting",
+                     rank, proc.exitcode)
+        time.sleep(DEATH_GRACE_S)
+        if not self.closing:
+            os._exit(1)
+
+    def _at_exit(self) -> None:
+        self.closing = True
+
+    def wait(self) -> None:
+        """Until every rank has exited (a node other than 0: its ranks end when rank 0 stops them)."""
+        self.closing = True
+        for p in self.procs.values():
+            p.join()
+
+    def join(self, timeout: float = 30.0) -> None:
+        self.closing = True
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dtype: Any,
+                engine_options: dict[str, Any]) -> tuple[TPGroup, RankProcesses]:
+    """Spawn this node's other ranks, then join the group as rank `node_rank * ranks_per_node`
+    (rank 0 on node 0). Returns the group and the spawned processes."""
+    check_devices(device, par)
+    per_node = par.tensor_parallel_size // par.nnodes
+    addr = par.dist_init_addr or free_local_addr()
+    first = par.node_rank * per_node
+    specs = [RankSpec(r, par.tensor_parallel_size, addr, str(rank_device(device, r, par)), model, dtype,
+                      engine_options, os.getpid()) for r in range(first + 1, first + per_node)]
+    procs = RankProcesses(specs)
+    group = init_rank(first, par.tensor_parallel_size, addr, rank_device(device, first, par))
+    return group, procs

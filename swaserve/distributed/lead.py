@@ -1,0 +1,107 @@
+"""TensorParallel: rank 0's side of a tensor-parallel engine: checks that the model splits, starts the
+other ranks, and each step sends them the inputs (with the table writes that preceded it) and the
+sampled tokens. The scheduler and sampler run on rank 0 only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from swaserve.config import ParallelConfig, split_engine_options
+from swaserve.distributed.channel import StepChannel, StepMessage
+from swaserve.distributed.launch import RankProcesses, rank_device, start_ranks
+from swaserve.distributed.state import TPGroup, broadcast_from_first, gather_digests, set_tp_group, tp_group
+from swaserve.memory.table_ops import table_digest
+
+if TYPE_CHECKING:
+    from swaserve.runner.forward_batch import ForwardInputs
+    from swaserve.runtime import Runtime
+
+
+def check_model_splits(model: str | None, size: int) -> None:
+    """ValueError when `size` ranks cannot split the model (heads, widths): built on the meta device
+    as rank 0 of `size`, before any process starts."""
+    from swaserve.config import ModelConfig
+    from swaserve.loader import load_hf_config
+    from swaserve.models.registry import get_model_class
+
+    hf = load_hf_config(model)
+    cls = get_model_class(ModelConfig.from_hf(hf).architecture, getattr(hf, "model_type", None))
+    before = tp_group()
+    set_tp_group(TPGroup(0, size))
+    try:
+        with torch.device("meta"):
+            cls(hf)
+    finally:
+        set_tp_group(before)
+
+
+class StepLead:
+    """What the step launcher of rank 0 calls: `send` before each forward, `share` after sampling."""
+
+    def __init__(self, channel: StepChannel, table_log: list[list]):
+        self.channel = channel
+        self.table_log = table_log
+
+    def send(self, inputs: ForwardInputs, sample: list[int]) -> None:
+        ops = self.table_log[:]
+        self.table_log.clear()
+        self.channel.send(StepMessage(ops, inputs.encodable(), sample))
+
+    @staticmethod
+    def share(tokens: torch.Tensor) -> None:
+        """Rank 0's sampled tokens `[n]` int64 to every rank (in place on the others)."""
+        broadcast_from_first(tokens)
+
+
+class TensorParallel:
+    def __init__(self, group: TPGroup, procs: RankProcesses, device: torch.device):
+        self.group, self.procs, self.device = group, procs, device
+        self.channel = StepChannel(group.cpu_group)
+
+    @classmethod
+    def start(cls, par: ParallelConfig, model: str | None, device: torch.device, dtype: torch.dtype,
+              engine_options: dict[str, Any]) -> TensorParallel:
+        if par.node_rank != 0:
+            raise ValueError("the engine is rank 0 and runs on node 0; other nodes run ranks only "
+                             "(`swaserve serve --node-rank N` starts them)")
+        runner_cfg = split_engine_options(engine_options)[2]
+        if runner_cfg.enable_cpu_graph:
+            raise ValueError("enable_cpu_graph does not support tensor parallelism yet (the decode graph "
+                             "would have to trace the collectives); run the CPU ranks eagerly")
+        check_model_splits(model, par.tensor_parallel_size)
+        group, procs = start_ranks(par, model, device, dtype, engine_options)
+        return cls(group, procs, rank_device(device, 0, par))
+
+    def lead(self, rt: Runtime) -> StepLead:
+        """Record rank 0's device-table writes from now on, for the other ranks."""
+        log: list[list] = []
+        rt.req_to_token.log = log
+        if hasattr(rt.allocator, "log"):
+            rt.allocator.log = log
+        return StepLead(self.channel, log)
+
+    def check_tables(self, rt: Runtime) -> None:
+        """AssertionError unless every rank's request table and SWA mapping equal rank 0's (after the
+        writes not yet sent, which go out with this check)."""
+        log = rt.req_to_token.log
+        ops = log[:] if log is not None else []
+        if log is not None:
+            log.clear()
+        self.channel.send(StepMessage(ops, check=True))
+        mine = table_digest(rt.req_to_token.req_to_token, getattr(rt.allocator, "full_to_swa_device", None))
+        every = gather_digests(mine)
+        bad = [r for r in range(every.shape[0]) if not torch.equal(every[r], mine)]
+        assert not bad, f"tensor-parallel rank(s) {bad} hold request tables that differ from rank 0's"
+
+    def close(self) -> None:
+        self.procs.closing = True
+        try:
+            self.channel.send(StepMessage(stop=True))
+        except RuntimeError:
+            pass  # a rank is gone already
+        self.procs.join()
+        dist.destroy_process_group()
+        set_tp_group(TPGroup())

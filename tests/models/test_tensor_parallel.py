@@ -1,0 +1,81 @@
+"""Tensor parallelism on CPU (gloo, two rank processes, fp32): the same greedy tokens at TP=2 as at
+TP=1 on tiny random models of the families whose layers it splits differently: K/V heads sharded
+(Gemma 3), one K/V head replicated and a vocabulary that does not split evenly (Gemma 3 MQA), attention
+sinks and biased experts (GPT-OSS), K = V full layers with one K/V head beside sharded sliding layers
+and a routed-experts block (Gemma 4 MoE), per-layer embeddings and KV-shared layers (Gemma 4 PLE).
+Prompts cross the window, prefill is chunked, requests batch; every rank's request table and SWA
+mapping equal rank 0's after every step, and both pools are empty at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import make_hf_model
+
+from swaserve.engine import Engine
+from swaserve.request import SamplingParams
+
+PROMPT_LENS = (23, 9, 40, 17)
+STEPS = 12
+OPTIONS = {"max_prefill_tokens": 16, "max_running_requests": 4, "max_context": 128, "kv_cache_bytes": 4 << 20}
+
+
+def generate(path: str, prompts: list[list[int]], tp: int, overlap: bool = False) -> dict[str, list[int]]:
+    engine = Engine(path, device="cpu", dtype="float32", tensor_parallel_size=tp, overlap_schedule=overlap, **OPTIONS)
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+            engine.check_integrity()  # tables of every rank included
+        stats = engine.memory_stats()
+        assert stats["full_tokens_used"] == 0 and stats["swa_tokens_used"] == 0
+        return out
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "overlap"), [("gemma3", False), ("gemma3_mqa", True), ("gpt_oss", False),
+                                                 ("gemma4_moe", False), ("gemma4_ple", False)])
+def test_tp2_tokens_equal_tp1(family, overlap, tmp_path):
+    """`overlap`: rank 0 schedules step N+1 (and sends it) before it has step N's tokens."""
+    hf = make_hf_model(family, tmp_path)
+    vocab = hf.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    one = generate(str(tmp_path), prompts, 1)
+    two = generate(str(tmp_path), prompts, 2, overlap)
+    assert sorted(one) == [str(i) for i in range(len(prompts))]
+    assert two == one
+
+
+def test_tp_that_does_not_split_the_heads_is_refused_before_any_rank_starts(tmp_path):
+    import multiprocessing
+
+    import transformers as tf
+    from families import COMMON
+
+    make_hf_model("gemma3", tmp_path / "a")  # 4 query heads, 2 K/V heads
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the number of attention heads"):
+        Engine(str(tmp_path / "a"), device="cpu", tensor_parallel_size=3)
+    # 6 query heads, 3 K/V heads: 2 ranks would hold 1.5 K/V heads each; 6 ranks would each hold half a group.
+    tf.Gemma3TextConfig(**{**COMMON, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
+                        num_hidden_layers=2,
+                        head_dim=16, sliding_window=8).save_pretrained(tmp_path / "b")
+    for tp, match in ((2, "must divide the number of K/V heads"), (4, "must divide the number of attention heads")):
+        with pytest.raises(ValueError, match=match):
+            Engine(str(tmp_path / "b"), device="cpu", load_format="dummy", tensor_parallel_size=tp)
+    assert not multiprocessing.active_children(), "a refused configuration started a rank"
+
+
+def test_tp_on_more_gpus_than_there_are_is_refused():
+    from swaserve.config import ParallelConfig
+    from swaserve.distributed.launch import check_devices
+
+    with pytest.raises(ValueError, match=r"needs 2 GPUs per node; this node has \d+"):
+        check_devices(torch.device("cuda"), ParallelConfig(tensor_parallel_size=torch.cuda.device_count() + 2
+                                                           if torch.cuda.device_count() else 2))
