@@ -118,12 +118,14 @@ class EngineClient:
 
     @property
     def core_pids(self) -> list[int | None]:
-        return self.cores.pids if self.cores is not None else []
+        cores = self.cores  # read once: `stop_cores` may clear it from another thread
+        return cores.pids if cores is not None else []
 
     @property
     def in_flight(self) -> list[int]:
         """Sub-requests in flight per replica (what routing balances)."""
-        return list(self.cores.in_flight) if self.cores is not None else [0] * len(self.snapshots)
+        cores = self.cores
+        return list(cores.in_flight) if cores is not None else [0] * len(self.snapshots)
 
     # ---- requests ----------------------------------------------------------------------------------
 

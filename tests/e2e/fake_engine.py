@@ -5,6 +5,7 @@ tokenizer and a deterministic toy "model", so server tests run in milliseconds p
 from __future__ import annotations
 
 import math
+import os
 import random
 import threading
 import time
@@ -198,3 +199,15 @@ class FailingEngine(FakeEngine):
         if any(b"BOOM" in bytes(t % 256 for t in r.prompt_ids) for r in self.running):
             raise RuntimeError("simulated engine failure")
         return super()._step()
+
+
+def one_replica_fails(marker: str, **kwargs: object) -> FakeEngine:
+    """A FakeEngine for the first engine core that claims `marker` (a file path); every other core fails
+    to start (ValueError), half a second later, when the first one is ready: a replica failing while
+    another already runs."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        time.sleep(0.5)
+        raise ValueError("this replica refuses to start") from None
+    return FakeEngine(**kwargs)  # type: ignore[arg-type]

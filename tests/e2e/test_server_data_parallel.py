@@ -265,6 +265,46 @@ def test_killed_replica_core_exits_the_server_nonzero_and_stops_the_other():
             proc.wait()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_sigterm_stops_every_replica():
+    from test_server_lifecycle import _spawn
+
+    proc, port = _spawn("--data-parallel-size", "3")
+    try:
+        cores = _core_pids(proc.pid, 3)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        for pid in cores:
+            _wait_for(lambda pid=pid: _gone(pid), f"engine core {pid} outlived the server")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _my_cores() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if int(fields[1]) == me and fields[0] != "Z" and b"swaserve.core" in f.read():
+                    found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_a_replica_failing_to_start_stops_the_others(tmp_path):
+    before = set(_my_cores())  # the cores of other tests' live servers
+    with pytest.raises(ValueError, match="this replica refuses to start"):
+        start_server(fake_spec("fake_engine:one_replica_fails", marker=str(tmp_path / "first")), data_parallel_size=2)
+    assert (tmp_path / "first").exists()  # one replica did start
+    assert set(_my_cores()) == before, "a started replica's core outlived the failed start"
+
+
 def test_replica_devices():
     spec = CoreSpec("swaserve.engine:Engine", {"model": None, "device": "cuda"})
     devices = [s.kwargs["device"] for s in replica_specs(spec, 3, gpu_count=lambda: 4)]
