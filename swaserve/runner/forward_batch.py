@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import msgspec
 import torch
 
 from swaserve.h2d import to_device
@@ -20,9 +19,9 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"  # one new token per request
 
 
-class ForwardInputs(msgspec.Struct, array_like=True):
+class ForwardInputs(NamedTuple):
     """A step's inputs as host lists: what `ForwardBatch.build` takes, and what rank 0 sends the other
-    tensor-parallel ranks (encoded with msgspec, no pickle)."""
+    tensor-parallel ranks (`distributed.channel` encodes it with msgspec, no pickle)."""
 
     mode: str  # ForwardMode value
     input_ids: list[int] | None
@@ -46,7 +45,7 @@ class ForwardInputs(msgspec.Struct, array_like=True):
         """A copy whose every field msgspec can encode."""
         if not isinstance(self.out_cache_loc, torch.Tensor):
             return self
-        return msgspec.structs.replace(self, out_cache_loc=self.out_cache_loc.tolist())
+        return self._replace(out_cache_loc=self.out_cache_loc.tolist())
 
 
 @dataclass
