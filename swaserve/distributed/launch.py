@@ -91,8 +91,8 @@ class RankProcesses:
             p.start()
         self.closing = False
         atexit.register(self._at_exit)  # runs before multiprocessing terminates its daemonic children
-        self._watch = threading.Thread(target=self._watch_ranks, name="swaserve-tp-watch", daemon=True)
-        self._watch.start()
+        if self.procs:  # (ranks on other nodes are not watched from here)
+            threading.Thread(target=self._watch_ranks, name="swaserve-tp-watch", daemon=True).start()
 
     def _watch_ranks(self) -> None:
         by_sentinel = {p.sentinel: (r, p) for r, p in self.procs.items()}

@@ -112,13 +112,26 @@ def serve_main(args: argparse.Namespace) -> int:
     """`swaserve serve` / `python -m swaserve.server`: an HTTP frontend (this process) and one engine-core
     process per data-parallel replica, serving until SIGINT/SIGTERM. Returns the exit code (1: an engine
     core died)."""
-    from swaserve.options import server_config
+    from swaserve.options import engine_options, server_config
     from swaserve.tokenizer import Tokenizer, load_chat_template
 
+    if (getattr(args, "node_rank", None) or 0) > 0:  # a node other than 0 runs tensor-parallel ranks only
+        return serve_ranks(args.model, args.device, args.dtype, engine_options(args))
     cfg = server_config(args)
     template = load_chat_template(cfg.chat_template)
     tokenizer = Tokenizer.load(args.model).with_chat_template(template)  # also checks the model path
     return run_server(core_spec(args, cfg, template), tokenizer, cfg)
+
+
+def serve_ranks(model: str | None, device: str | None, dtype: str | None, options: dict) -> int:
+    """`--node-rank N` (N > 0): this node's tensor-parallel ranks, until node 0's engine stops them."""
+    from swaserve.config import split_engine_options
+    from swaserve.distributed.worker import serve_node
+    from swaserve.engine import resolve_device_dtype
+
+    par = split_engine_options(options)[3]
+    dev, dt = resolve_device_dtype(device, dtype)
+    return serve_node(par, model, dev, dt, options)
 
 
 def main(argv: list[str] | None = None) -> int:

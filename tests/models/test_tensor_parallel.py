@@ -79,3 +79,45 @@ def test_tp_on_more_gpus_than_there_are_is_refused():
     with pytest.raises(ValueError, match=r"needs 2 GPUs per node; this node has \d+"):
         check_devices(torch.device("cuda"), ParallelConfig(tensor_parallel_size=torch.cuda.device_count() + 2
                                                            if torch.cuda.device_count() else 2))
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine(tmp_path):
+    """`--nnodes 2`: node 1 runs `swaserve serve --node-rank 1` (ranks only), node 0 the engine; the
+    rendezvous at --dist-init-addr. Both on this machine, over loopback."""
+    import os
+    import subprocess
+    import sys
+
+    from swaserve.distributed.launch import free_local_addr
+
+    hf = make_hf_model("gemma3", tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, hf.config.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    one = generate(str(tmp_path), prompts, 1)
+    addr = free_local_addr()
+    flags = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--tp", "2", "--nnodes", "2",
+             "--dist-init-addr", addr, "--max-prefill-tokens", "16", "--max-running-requests", "4",
+             "--max-context", "128", "--kv-cache-mb", "4"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    node1 = subprocess.Popen([sys.executable, "-m", "swaserve", "serve", *flags, "--node-rank", "1"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        engine = Engine(str(tmp_path), device="cpu", dtype="float32", tensor_parallel_size=2, nnodes=2,
+                        dist_init_addr=addr, **{**OPTIONS, "kv_cache_bytes": 4 << 20})
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
+            two: dict[str, list[int]] = {}
+            while engine.has_unfinished():
+                two.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+            engine.check_integrity()
+        finally:
+            engine.close()
+        assert two == one
+        assert node1.wait(timeout=30) == 0, node1.stderr.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
