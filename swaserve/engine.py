@@ -5,17 +5,19 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from swaserve.config import ModelConfig, RunnerConfig, SchedulerConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
-from swaserve.distributed.lead import TensorParallel
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
 from swaserve.runner.launcher import LaunchedStep, StepLauncher
 from swaserve.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from swaserve.distributed.lead import TensorParallel
 
 CPU_DEFAULT_MAX_CONTEXT = 4096  # keeps the CPU pools and request table small; override with max_context
 
@@ -118,6 +120,8 @@ class Engine:
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         self.tp: TensorParallel | None = None
         if par_cfg.tensor_parallel_size > 1:
+            from swaserve.distributed.lead import TensorParallel
+
             if isinstance(model, LoadedModel):
                 raise ValueError("tensor parallelism loads each rank's shard itself: give a model path (or None), "
                                  "not a LoadedModel")
