@@ -25,26 +25,36 @@ def replica_specs(spec: CoreSpec, n: int, gpu_count: Callable[[], int] = visible
     `cuda:{k + i * tp}` for a device `cuda:k` (`cuda`: k = 0), where a replica takes tp GPUs
     (`tensor_parallel_size`, 1 without tensor parallelism); on CPU every replica gets "cpu". A spec
     without a `device` keyword (a test's fake engine) and a single replica are used as they are.
-    Raises ValueError for n < 1 or more GPUs than are visible."""
+    Raises ValueError for n < 1, more GPUs than are visible, and (n > 1) several nodes or tensor
+    parallelism on CUDA, which replicas cannot share yet."""
     if n < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {n}")
-    if n == 1 or "device" not in spec.kwargs:
+    if n == 1:
+        return [spec]
+    kw = spec.kwargs
+    if (kw.get("nnodes") or 1) > 1 or kw.get("dist_init_addr"):
+        raise ValueError("--data-parallel-size > 1 does not combine with --nnodes > 1 or --dist-init-addr "
+                         "yet (every replica would meet at the same rendezvous)")
+    if "device" not in kw:
         return [spec] * n
-    device = spec.kwargs["device"]
+    device = kw["device"]
     if device is None:  # the engine's default: CUDA when there is a GPU
         device = "cuda" if gpu_count() > 0 else "cpu"
     kind, _, index = str(device).partition(":")
     if kind != "cuda":
-        return [CoreSpec(spec.factory, {**spec.kwargs, "device": device})] * n
+        return [CoreSpec(spec.factory, {**kw, "device": device})] * n
     if index and not index.isdigit():
         raise ValueError(f"invalid device {device!r}")
     first, count = int(index or 0), gpu_count()
-    tp = int(spec.kwargs.get("tensor_parallel_size") or 1)
+    tp = int(kw.get("tensor_parallel_size") or 1)
+    if tp > 1:  # NOTE: drop this once rank devices count from the replica's first GPU (rank_device)
+        raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 on CUDA is not supported "
+                         "yet (every replica's ranks would take the first GPUs)")
     if first + n * tp > count:
         raise ValueError(
             f"--data-parallel-size {n} on device {device!r} needs GPUs cuda:{first}.."
             f"cuda:{first + n * tp - 1} ({tp} per replica), but {count} GPU(s) are visible")
-    return [CoreSpec(spec.factory, {**spec.kwargs, "device": f"cuda:{first + i * tp}"}) for i in range(n)]
+    return [CoreSpec(spec.factory, {**kw, "device": f"cuda:{first + i * tp}"}) for i in range(n)]
 
 
 class CorePool:
