@@ -47,7 +47,9 @@ def ckpt(tmp_path_factory) -> Path:
 def make_runtime(path: Path, graphs: bool, dtype: torch.dtype, max_reqs: int, prefill: int,
                  cache: CacheConfig):
     config, model = load_model_from_dir(path, DEV, dtype)
-    sched = SchedulerConfig(max_running_requests=max_reqs, max_prefill_tokens=prefill)
+    # prefill_first: the designed batch sizes (mixed steps would prefill newcomers next to the decodes,
+    # through the eager extend path, and the decode-graph sizes would follow the chunking instead).
+    sched = SchedulerConfig(max_running_requests=max_reqs, max_prefill_tokens=prefill, schedule_policy="prefill_first")
     runner = RunnerConfig(attention_backend="triton", disable_cuda_graph=not graphs)
     rt = build_runtime(config, model, torch.device(DEV), dtype, cache, sched, runner)
     gr = rt.runner.graph_runner
