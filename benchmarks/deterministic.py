@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    from swaserve.engine import resolve_device_dtype
+    from swaserve.engine_setup import resolve_device_dtype
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

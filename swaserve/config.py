@@ -248,12 +248,31 @@ class ParallelConfig:
                                       "(default: a free local port; needed with --nnodes > 1)")
 
 
-ENGINE_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig)
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a drafter proposes tokens, the target checks them in one forward."""
+
+    speculative_method: str | None = _opt(
+        None, "drafter: ngram (lookup in the request's own tokens) or draft (a smaller model with the same "
+        "tokenizer); default: off", choices=SPECULATIVE_METHODS)
+    speculative_num_tokens: int = _opt(4, "tokens drafted per request per step (K)")
+    speculative_draft_model: str | None = _opt(
+        None, "draft model for --speculative-method draft: GGUF file or HF directory (default: the embedded model)")
+    speculative_ngram_max: int = _opt(4, "longest suffix n-gram the ngram drafter looks up")
+    speculative_ngram_min: int = _opt(1, "shortest suffix n-gram the ngram drafter looks up")
+    speculative_max_batch_size: int = _opt(
+        32, "speculate only in steps with at most this many decoding requests (larger batches are compute-bound)")
+
+
+ENGINE_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig, SpeculativeConfig)
 
 
 def split_engine_options(
     options: dict[str, Any],
-) -> tuple[CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig]:
+) -> tuple[CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig, SpeculativeConfig]:
     """Distribute flat `LLM(**engine_options)` keywords over the config dataclasses by field name."""
     from dataclasses import fields
 
@@ -263,7 +282,7 @@ def split_engine_options(
     if unknown:
         raise ValueError(f"unknown engine option(s) {unknown}; valid options: {', '.join(valid)}")
     built = [cls(**{k: v for k, v in options.items() if k in owned[cls]}) for cls in ENGINE_OPTION_OWNERS]
-    cache, sched, runner, par = built
+    cache, sched, runner, par, spec = built
     if sched.max_running_requests < 1:
         raise ValueError("max_running_requests must be >= 1")
     if sched.max_prefill_tokens < 1:
@@ -278,4 +297,11 @@ def split_engine_options(
         raise ValueError(f"nnodes {par.nnodes} must divide tensor_parallel_size {par.tensor_parallel_size}")
     if par.nnodes > 1 and not par.dist_init_addr:
         raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0)")
-    return cache, sched, runner, par  # type: ignore[return-value]
+    if spec.speculative_method is not None and spec.speculative_method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                         f"got {spec.speculative_method!r}")
+    if spec.speculative_num_tokens < 1 or spec.speculative_max_batch_size < 1:
+        raise ValueError("speculative_num_tokens and speculative_max_batch_size must be >= 1")
+    if not 1 <= spec.speculative_ngram_min <= spec.speculative_ngram_max:
+        raise ValueError("need 1 <= speculative_ngram_min <= speculative_ngram_max")
+    return cache, sched, runner, par, spec  # type: ignore[return-value]

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from swaserve.config import ModelConfig, RunnerConfig, SchedulerConfig, split_engine_options
+from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
+from swaserve.engine_setup import default_overlap, load_engine_model, resolve_device_dtype
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
 from swaserve.runner.launcher import LaunchedStep, StepLauncher
@@ -18,25 +19,6 @@ from swaserve.scheduler.req import Req
 
 if TYPE_CHECKING:
     from swaserve.distributed.lead import TensorParallel
-
-CPU_DEFAULT_MAX_CONTEXT = 4096  # keeps the CPU pools and request table small; override with max_context
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
-    if dtype is None or dtype == "auto":
-        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    if isinstance(dtype, torch.dtype):
-        return dev, dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'")
-    return dev, _DTYPES[dtype]
-
 
 @dataclass
 class EngineStats:
@@ -57,6 +39,8 @@ class SeqDelta(NamedTuple):
     # and the sampling seed in use (the request's own, or the one deterministic mode drew).
     cached_tokens: int | None = None
     seed: int | None = None
+    # Speculative decoding: (drafted, accepted) tokens of this sequence so far; None: none drafted.
+    spec: tuple[int, int] | None = None
 
 
 @dataclass
@@ -74,26 +58,6 @@ class _Group:
             if not r.finished:
                 return False
         return True
-
-
-def load_engine_model(model: str | LoadedModel | None, device: torch.device, dtype: torch.dtype,
-                      sched_cfg: SchedulerConfig, runner_cfg: RunnerConfig) -> tuple[LoadedModel, ModelConfig]:
-    """The loaded model (this rank's shard under tensor parallelism) and its config with the context
-    cap applied (`max_context`; 4096 on CPU by default): what every rank builds its runtime from."""
-    from swaserve.loader import load_model
-
-    loaded = (model if isinstance(model, LoadedModel)
-              else load_model(model, device, dtype, load_format=runner_cfg.load_format))
-    cap = sched_cfg.max_context or (CPU_DEFAULT_MAX_CONTEXT if device.type == "cpu" else None)
-    config = loaded.config
-    if cap is not None:
-        config = dataclasses.replace(config, max_context=min(cap, config.max_context))
-    return loaded, config
-
-
-def default_overlap(device: torch.device) -> bool:
-    """Overlap scheduling pays off where the model runs asynchronously to the host: on a GPU."""
-    return device.type == "cuda"
 
 
 class Engine:
@@ -116,8 +80,10 @@ class Engine:
         e.g. `max_running_requests=128, overlap_schedule=False`."""
         from swaserve.runtime import build_runtime
 
-        cache_cfg, sched_cfg, runner_cfg, par_cfg = split_engine_options(engine_options)
+        cache_cfg, sched_cfg, runner_cfg, par_cfg, spec_cfg = split_engine_options(engine_options)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton launches on the current device (a replica on cuda:1)
         self.tp: TensorParallel | None = None
         if par_cfg.tensor_parallel_size > 1:
             from swaserve.distributed.lead import TensorParallel
@@ -139,9 +105,18 @@ class Engine:
         rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg)
         self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
         self._runtime = rt
+        self.load_format = runner_cfg.load_format
         self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
         overlap = runner_cfg.overlap_schedule
         self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
+        if spec_cfg.speculative_method is not None:
+            from swaserve.speculative import build_speculation
+
+            if overlap or self.tp is not None:
+                raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
+                                 "(not yet supported together)")
+            self.overlap = False
+            self.scheduler.speculation = build_speculation(spec_cfg, self)
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)
@@ -236,12 +211,14 @@ class Engine:
         if done is None:
             return []
         deltas = []
-        for r in self._commit(done):  # each advanced sequence gained exactly one token
+        for r in self._commit(done):  # each advanced sequence gained r.last_appended tokens
             lps = r.output_logprobs
-            first = len(r.ids) - r.prompt_len == 1
-            deltas.append(SeqDelta(r.group_id, r.index, r.ids[-1:], lps[-1:] if lps is not None else None,
+            n = r.last_appended
+            first = len(r.ids) - r.prompt_len == n
+            deltas.append(SeqDelta(r.group_id, r.index, r.ids[-n:], lps[-n:] if lps is not None else None,
                                    r.finish_reason, (r.num_cached_tokens or 0) if first else None,
-                                   r.params.seed if first else None))
+                                   r.params.seed if first else None,
+                                   (r.spec_drafted, r.spec_accepted) if r.spec_drafted else None))
             if r.finish_reason is not None:
                 group = self._groups.get(r.group_id)
                 if group is not None and group.finished:
@@ -252,7 +229,7 @@ class Engine:
         """Wait for a launched step and commit its tokens; the sequences it advanced."""
         tokens, logprobs = step.wait()
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
-        self.stats.generation_tokens_total += len(progressed)
+        self.stats.generation_tokens_total = self.scheduler.generated_total
         self.stats.retractions_total = self.scheduler.retractions_total
         for r in progressed:
             if r.finish_reason is not None and r.detok is not None and not r.detok.stopped:
@@ -291,7 +268,8 @@ class Engine:
             comps.append(CompletionOutput(r.index, text, ids, lps, r.finish_reason))  # type: ignore[arg-type]
         cached = min(r.num_cached_tokens or 0 for r in group.reqs)
         return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished, num_cached_tokens=cached,
-                             seed=group.seed)
+                             seed=group.seed, spec_draft_tokens=sum(r.spec_drafted for r in group.reqs),
+                             spec_accepted_tokens=sum(r.spec_accepted for r in group.reqs))
 
     def counters(self) -> dict[str, int]:
         """`memory_stats()` plus the token, retraction and prefix-cache totals: the names /metrics
@@ -299,10 +277,13 @@ class Engine:
         of every sequence's first admission (n > 1 counts each sequence)."""
         prefix = self.scheduler.prefix
         hit, query = (prefix.hit_tokens, prefix.query_tokens) if prefix is not None else (0, 0)
+        spec = self.scheduler.speculation
         return {**self.memory_stats(), "prompt_tokens_total": self.stats.prompt_tokens_total,
                 "generation_tokens_total": self.stats.generation_tokens_total,
                 "retractions_total": self.stats.retractions_total,
-                "prefix_cache_hit_tokens_total": hit, "prefix_cache_miss_tokens_total": query - hit}
+                "prefix_cache_hit_tokens_total": hit, "prefix_cache_miss_tokens_total": query - hit,
+                "spec_draft_tokens_total": spec.drafted_total if spec is not None else 0,
+                "spec_accepted_tokens_total": spec.accepted_total if spec is not None else 0}
 
     def memory_stats(self) -> dict[str, int]:
         """Per pool: `used` (held by requests, or by cache they lock), `cached` (held by the prefix

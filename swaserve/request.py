@@ -206,3 +206,6 @@ class RequestOutput:
     # The sampling seed used: the request's own, or, in deterministic mode, one drawn at admission
     # for a sampled request without one (resend it to reproduce the completion); None otherwise.
     seed: int | None = None
+    # Speculative decoding: tokens drafted for this request's sequences, and how many were accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0

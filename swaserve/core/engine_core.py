@@ -152,7 +152,8 @@ class EngineCore:
                 continue
             if d.finish_reason is not None:
                 live.discard(d.request_id)
-            deltas.append(RequestDelta(d.request_id, d.token_ids, d.logprobs, d.finish_reason, d.cached_tokens, d.seed))
+            deltas.append(RequestDelta(d.request_id, d.token_ids, d.logprobs, d.finish_reason, d.cached_tokens, d.seed,
+                                       d.spec))
         return deltas
 
     def _fail_all(self) -> None:

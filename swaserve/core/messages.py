@@ -46,6 +46,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finish_reason: str | None = None
     cached_tokens: int | None = None  # first delta only: prompt tokens served from the prefix cache
     seed: int | None = None  # first delta only: the sampling seed in use (None: greedy, unseeded)
+    spec: tuple[int, int] | None = None  # speculative decoding: (drafted, accepted) tokens so far
 
 
 class Rejected(msgspec.Struct, array_like=True):

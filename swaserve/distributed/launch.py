@@ -44,14 +44,15 @@ def rank_device(device: torch.device, rank: int, par: ParallelConfig) -> torch.d
     """Rank r's device: `cuda:<r's index on its node>` on GPUs; every rank on the CPU otherwise."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", rank % (par.tensor_parallel_size // par.nnodes))
+    return torch.device("cuda", (device.index or 0) + rank % (par.tensor_parallel_size // par.nnodes))
 
 
 def check_devices(device: torch.device, par: ParallelConfig) -> None:
     per_node = par.tensor_parallel_size // par.nnodes
-    if device.type == "cuda" and per_node > torch.cuda.device_count():
+    first = device.index or 0
+    if device.type == "cuda" and first + per_node > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {par.tensor_parallel_size} over {par.nnodes} node(s) needs "
-                         f"{per_node} GPUs per node; this node has {torch.cuda.device_count()}")
+                         f"{per_node} GPUs per node from cuda:{first}; this node has {torch.cuda.device_count()}")
 
 
 def free_local_addr() -> str:

@@ -67,6 +67,11 @@ class ReqToTokenPool:
         if self.log is not None:
             self.log.append([TableOp.WRITE, row, start, host.tolist()])
 
+    def clear(self, row: int, start: int, end: int) -> None:
+        """Zero positions start .. end-1 of `row` (speculative tokens the target rejected)."""
+        if end > start:
+            self.write(row, start, torch.zeros(end - start, dtype=torch.int32))
+
     def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """Record one slot per (row, position) pair in one copy: the decode step's table update."""
         r, p = torch.tensor([rows, positions], dtype=torch.int64)  # one conversion for both lists

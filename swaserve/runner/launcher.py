@@ -56,6 +56,10 @@ class StepLauncher:
         self.vocab_size = runner.model_config.vocab_size
 
     def launch(self, batch: ScheduleBatch) -> LaunchedStep:
+        if batch.drafts is not None:  # a speculative verify step
+            from swaserve.speculative.verify_step import launch_verify
+
+            return launch_verify(self, batch)  # type: ignore[return-value]
         inputs = batch.forward_inputs()
         idx = batch.sample_indices()
         if self.lead is not None:
@@ -69,22 +73,7 @@ class StepLauncher:
         if len(idx) != len(batch.reqs):
             sel = to_device(torch.tensor(idx), self.device)
             hidden, rows = hidden[sel], rows[sel]
-        params = [r.params for r in reqs]
-        distinct = distinct_params(params)
-        if is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
-            out = SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None)
-            asked = None
-        else:
-            sb = self._sampling_batch(reqs, params, distinct, rows)
-            # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
-            # goes through the Sampler, so a row's path does not depend on its neighbours' settings;
-            # nor under tensor parallelism, where the head's logits are gathered first).
-            if sb.inv_temperatures is not None and not self.runner.deterministic and self.lead is None:
-                tokens = self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds)
-                out = SamplerOutput(tokens, None, None, None)
-            else:
-                out = self.sampler(self.runner.logits(hidden), sb)
-            asked = [p.logprobs for p in params] if sb.max_num_logprobs is not None else None
+        out, asked = self.sample(hidden, reqs, rows)
         if self.lead is not None:
             self.lead.share(out.next_token_ids)
         self.runner.record_sampled(rows, out.next_token_ids)
@@ -94,6 +83,24 @@ class StepLauncher:
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(batch, reqs, asked, host, ready)
+
+    def sample(self, hidden: torch.Tensor, reqs: list[Req], rows: torch.Tensor) -> tuple[SamplerOutput, list | None]:
+        """Next tokens for `reqs` from their last hidden states (`rows`: their request-table rows):
+        greedy straight from the LM head where every row is plain greedy, else through the
+        sampling parameters; and each row's `logprobs` setting where any row asked for them."""
+        params = [r.params for r in reqs]
+        distinct = distinct_params(params)
+        if is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
+            return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
+        sb = self._sampling_batch(reqs, params, distinct, rows)
+        # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
+        # goes through the Sampler, so a row's path does not depend on its neighbours' settings;
+        # nor under tensor parallelism, where the head's logits are gathered first).
+        if sb.inv_temperatures is not None and not self.runner.deterministic and self.lead is None:
+            out = SamplerOutput(self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds), None, None, None)
+        else:
+            out = self.sampler(self.runner.logits(hidden), sb)
+        return out, ([p.logprobs for p in params] if sb.max_num_logprobs is not None else None)
 
     def _sampling_batch(self, reqs: list[Req], params: list, distinct: list, rows: torch.Tensor) -> SamplingBatch:
         penalties = any(p.uses_penalties for p in distinct)

@@ -159,15 +159,16 @@ class ModelRunner:
                                             torch.zeros(len(ext), dtype=torch.int64), self.device))
 
     @torch.inference_mode()
-    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_hidden(self, batch: ForwardBatch, token_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states `[batch_size, hidden]` of each request's last new token (on the graph
-        path a view valid until the next replay). A decode batch reads its inputs from
+        path a view valid until the next replay); of the tokens at `token_indices` (`[n]` int64,
+        device; an extend batch, e.g. every token of a speculative verify step) when given. A decode batch reads its inputs from
         `last_tokens`; one that brings its own (tests, teacher forcing) stores them there first, so
         the eager and graph paths see the same inputs."""
         if batch.is_decode and batch.input_ids is not None:
             self.last_tokens.index_copy_(0, batch.req_pool_indices, batch.input_ids)
             self.last_tokens[:1].zero_()  # a padding row in the batch must not leave a token in row 0
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+        if self.graph_runner is not None and token_indices is None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)  # gathers its inputs from the table in the graph
         if batch.is_decode and batch.input_ids is None:
             batch.input_ids = self.last_tokens[batch.req_pool_indices]
@@ -176,7 +177,7 @@ class ModelRunner:
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)  # [num_tokens, hidden]
-        return hidden[batch.last_token_indices()]
+        return hidden[batch.last_token_indices() if token_indices is None else token_indices]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

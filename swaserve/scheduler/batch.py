@@ -27,10 +27,16 @@ class ScheduleBatch:
     out_cache_loc: torch.Tensor  # [num_tokens] int64, cpu: full-pool slots
     sample: list[bool]
     num_decode: int = 0  # extend batches: the first num_decode rows are decodes (one new token each)
+    # Speculative verify steps: the drafted tokens of each of the first len(drafts) rows, computed
+    # after the row's input token (its extend length is 1 + len(drafts[i])); None: no verify rows.
+    drafts: list[list[int]] | None = None
 
     @property
     def kind(self) -> str:
-        """"decode", "extend" (prefill chunks only) or "mixed" (decode rows first, then prefill chunks)."""
+        """"decode", "extend" (prefill chunks only), "mixed" (decode rows first, then prefill chunks) or
+        "verify" (speculative: drafted rows first, then any prefill chunks)."""
+        if self.drafts is not None:
+            return "verify"
         return "mixed" if self.num_decode and self.mode is ForwardMode.EXTEND else self.mode.value
 
     @property
@@ -60,8 +66,11 @@ class ScheduleBatch:
         # A mixed batch's decode row whose input (the token sampled by the step in flight) the host
         # does not have yet reads it from the runner's last-token table on the device.
         from_table: list[tuple[int, int]] = []
+        drafts = self.drafts or []
         for i, (r, p, n) in enumerate(zip(self.reqs, self.prefix_lens, self.extend_lens)):
-            if i < self.num_decode and p >= len(r.ids):
+            if i < len(drafts):
+                input_ids.extend(r.ids[p : p + 1] + drafts[i])  # the input, then what the drafter proposed
+            elif i < self.num_decode and p >= len(r.ids):
                 from_table.append((len(input_ids), r.row))  # type: ignore[arg-type]
                 input_ids.append(0)
             else:

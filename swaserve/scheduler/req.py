@@ -57,6 +57,9 @@ class Req:
     prefill_end: int = 0  # len(ids) when admitted: the prefix handed to the tree once prefilled
     committed: bool = True  # False while prefilled K/V waits to be handed to the tree
     num_cached_tokens: int | None = None  # prompt tokens matched at the first admission
+    last_appended: int = 0  # tokens the last committed step appended (several after a verify step)
+    spec_drafted: int = 0  # speculative decoding: tokens drafted for this sequence
+    spec_accepted: int = 0  # and accepted by the target
 
     @property
     def output_ids(self) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,6 +17,9 @@ from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
 from swaserve.scheduler.prefix import PrefixSharing
 from swaserve.scheduler.req import Req, ReqStatus
+
+if TYPE_CHECKING:
+    from swaserve.scheduler.speculate import Speculation
 
 
 class SlotAllocator(Protocol):
@@ -75,6 +78,8 @@ class Scheduler:
         self._arrivals = 0
         self.prefix = (PrefixSharing(prefix_cache, req_to_token, evictor)
                        if prefix_cache is not None else None)
+        self.speculation: Speculation | None = None  # set by the engine (scheduler/speculate.py)
+        self.generated_total = 0  # output tokens committed
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -126,14 +131,14 @@ class Scheduler:
         if self.config.schedule_policy == "prefill_first":
             return self._schedule_extend(budget) or self._schedule_decode()
         decode = self._schedule_decode()  # decode first: its slots are taken before any prefill's
-        n_dec = len(decode.reqs) if decode is not None else 0
+        n_dec = decode.num_tokens if decode is not None else 0
         extend = self._schedule_extend(budget - n_dec) if self.waiting and budget > n_dec else None
         if extend is None or decode is None:
             return extend or decode
         return ScheduleBatch(
             ForwardMode.EXTEND, decode.reqs + extend.reqs, decode.prefix_lens + extend.prefix_lens,
             decode.extend_lens + extend.extend_lens, torch.cat([decode.out_cache_loc, extend.out_cache_loc]),
-            decode.sample + extend.sample, num_decode=n_dec,
+            decode.sample + extend.sample, num_decode=len(decode.reqs), drafts=decode.drafts,
         )
 
     def _schedule_extend(self, budget: int) -> ScheduleBatch | None:
@@ -199,6 +204,10 @@ class Scheduler:
         reqs = [r for r in self.running if r.needs_decode(self.max_context)]
         if not reqs:
             return None
+        if self.speculation is not None:
+            verify = self.speculation.schedule(self, reqs)
+            if verify is not None:
+                return verify
         while self._available() < len(reqs):
             if len(reqs) > 1:
                 victim = reqs.pop()
@@ -229,6 +238,9 @@ class Scheduler:
         them, finish what is done, free out-of-window SWA slots. K/V lengths already advanced when
         the step was scheduled. Requests aborted since the launch are skipped; a request retracted
         since then keeps its token (it was computed before the memory was taken back)."""
+        if batch.drafts is not None:
+            assert self.speculation is not None
+            return self.speculation.commit(self, batch, tokens, logprobs)  # type: ignore[arg-type]
         progressed: list[Req] = []
         for j, i in enumerate(batch.sample_indices()):
             r = batch.reqs[i]
@@ -236,6 +248,8 @@ class Scheduler:
                 continue
             r.inflight -= 1
             r.append_token(tokens[j], logprobs[j] if logprobs else None, self.max_context)
+            r.last_appended = 1
+            self.generated_total += 1
             if r.finish_reason is not None:
                 self._finish(r)
             progressed.append(r)
@@ -292,6 +306,8 @@ class Scheduler:
                 r.swa_evicted = evicted
 
     def _release(self, req: Req) -> None:
+        if self.speculation is not None:
+            self.speculation.drafter.release(req)
         if req.row is None:
             return
         if self.prefix is not None:

@@ -243,6 +243,8 @@ class EngineClient:
         upd = track.pending or Update(track.sub.index)
         if delta.cached_tokens is not None:
             upd.cached_tokens, upd.seed = delta.cached_tokens, delta.seed
+        if delta.spec is not None:
+            upd.spec = delta.spec
         upd.text += detok.text[track.chars :]
         track.chars = len(detok.text)
         upd.token_ids += new_ids

@@ -127,7 +127,7 @@ def serve_ranks(model: str | None, device: str | None, dtype: str | None, option
     """`--node-rank N` (N > 0): this node's tensor-parallel ranks, until node 0's engine stops them."""
     from swaserve.config import split_engine_options
     from swaserve.distributed.worker import serve_node
-    from swaserve.engine import resolve_device_dtype
+    from swaserve.engine_setup import resolve_device_dtype
 
     par = split_engine_options(options)[3]
     dev, dt = resolve_device_dtype(device, dtype)

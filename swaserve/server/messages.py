@@ -36,4 +36,5 @@ class Update:
     prompt_tokens: int = 0
     cached_tokens: int | None = None  # with the first tokens: prompt tokens served from the prefix cache
     seed: int | None = None  # with the first tokens: the sampling seed in use
+    spec: tuple[int, int] | None = None  # speculative decoding: (drafted, accepted) tokens so far
     error: APIError | None = None  # add refused, engine failure or shutdown; ends the sub-request

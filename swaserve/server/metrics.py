@@ -28,6 +28,10 @@ _ENGINE_GAUGES = (
      "Prompt tokens whose K/V came from the prefix cache."),
     ("prefix_cache_miss_tokens_total", "swaserve_prefix_cache_miss_tokens_total", "counter",
      "Prompt tokens prefilled because the prefix cache had no usable K/V for them."),
+    ("spec_draft_tokens_total", "swaserve_spec_draft_tokens_total", "counter",
+     "Tokens proposed by the speculative drafter."),
+    ("spec_accepted_tokens_total", "swaserve_spec_accepted_tokens_total", "counter",
+     "Drafted tokens the target model accepted."),
 )
 _POOL_GAUGES = (
     ("used", "swaserve_kv_used_tokens", "KV slots in use, per pool."),

@@ -51,9 +51,10 @@ def merge(batch: list[Update]) -> list[Update]:
                 upd.index, upd.text, list(upd.token_ids),
                 None if upd.logprobs is None else list(upd.logprobs),
                 None if upd.token_strs is None else dict(upd.token_strs), upd.finish_reason,
-                cached_tokens=upd.cached_tokens, seed=upd.seed,
+                cached_tokens=upd.cached_tokens, seed=upd.seed, spec=upd.spec,
             )
             continue
+        prev.spec = upd.spec or prev.spec
         if prev.cached_tokens is None:
             prev.cached_tokens, prev.seed = upd.cached_tokens, upd.seed
         prev.text += upd.text
@@ -114,6 +115,7 @@ class Choices:
         self.finish: list[str | None] = [None] * num_choices
         self.cached = [0] * num_choices  # prompt tokens served from the prefix cache
         self.seed: list[int | None] = [None] * num_choices  # the sampling seed in use, where there is one
+        self.spec: list[tuple[int, int] | None] = [None] * num_choices  # (drafted, accepted) so far
         self.lp_completion = [CompletionLogprobs() for _ in range(num_choices)]
         self.lp: list[Any] = [
             [] if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -121,9 +123,12 @@ class Choices:
         ]
 
     def note_first(self, upd: Update) -> None:
-        """Record what the first update of a choice carries (cached prompt tokens, seed)."""
+        """Record what an update carries besides tokens: cached prompt tokens and seed (the first
+        update of a choice), speculative counts (the latest)."""
         if upd.cached_tokens is not None:
             self.cached[upd.index], self.seed[upd.index] = upd.cached_tokens, upd.seed
+        if upd.spec is not None:
+            self.spec[upd.index] = upd.spec
 
     def add(self, upd: Update) -> None:
         i = upd.index
@@ -138,15 +143,21 @@ class Choices:
                 for key, values in self.lp_completion[i].render(upd).items():
                     self.lp[i][key] += values
 
-    def usage(self, prompt_tokens: dict[int, int]) -> dict[str, int]:
+    def usage(self, prompt_tokens: dict[int, int]) -> dict[str, Any]:
         # The prompt is counted once per prompt, not once per choice (as OpenAI does for n > 1).
         firsts = range(0, len(self.text), self.per_prompt)
         prompt = sum(prompt_tokens.get(i, 0) for i in firsts)
         # A prompt's n choices share its K/V; the fewest any of them found cached is what it saved.
         cached = sum(min(self.cached[i : i + self.per_prompt]) for i in firsts)
         completion = sum(self.tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                               "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+        spec = [s for s in self.spec if s is not None]
+        if spec:  # speculative decoding: drafted tokens the model accepted or rejected (OpenAI's names)
+            drafted, accepted = sum(s[0] for s in spec), sum(s[1] for s in spec)
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                "rejected_prediction_tokens": drafted - accepted}
+        return out
 
     def body(self, head: dict[str, Any], prompt_tokens: dict[int, int]) -> dict[str, Any]:
         choices = []

@@ -76,7 +76,7 @@ def test_tp_on_more_gpus_than_there_are_is_refused():
     from swaserve.config import ParallelConfig
     from swaserve.distributed.launch import check_devices
 
-    with pytest.raises(ValueError, match=r"needs 2 GPUs per node; this node has \d+"):
+    with pytest.raises(ValueError, match=r"needs \d+ GPUs per node from cuda:0; this node has \d+"):
         check_devices(torch.device("cuda"), ParallelConfig(tensor_parallel_size=torch.cuda.device_count() + 2
                                                            if torch.cuda.device_count() else 2))
 

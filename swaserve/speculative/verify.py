@@ -1,0 +1,57 @@
+"""What a verify step keeps: for each request, the drafted tokens the target agrees with and one more
+token from the target (the correction at the first disagreement, or a bonus token after the last
+draft). Greedy: the target's argmax, so the output equals plain decoding token for token. Sampling
+(temperature only): the speculative-sampling rule for a deterministic drafter, which draws from the
+target distribution exactly: accept draft d with probability p(d); on rejection draw from p with d
+removed; after the last accepted draft draw from the next p."""
+
+from __future__ import annotations
+
+import torch
+
+from swaserve.request import SamplingParams
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Requests whose next-token distribution `verify` reproduces: greedy, or temperature alone (no
+    top-k/top-p/min-p, penalties or logprobs; those decode one token a step)."""
+    if params.logprobs is not None or params.uses_penalties:
+        return False
+    return params.is_greedy or (params.top_p >= 1.0 and params.top_k < 1 and params.min_p <= 0.0)
+
+
+def _generator(seed: int | None, position: int) -> torch.Generator | None:
+    """A draw per (seed, position): a seeded request repeats its tokens run after run."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed((seed * 1_000_003 + position) & ((1 << 63) - 1))
+
+
+def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams, first_position: int) -> list[int]:
+    """`logits` `[len(drafts) + 1, vocab]` float32 (row i: after the input and drafts[:i]) -> the
+    tokens to append, 1 to len(drafts) + 1 of them. `first_position`: the position the first of
+    them will take (seeds the draws)."""
+    if params.is_greedy:
+        target = logits.argmax(dim=-1).tolist()
+        out = []
+        for d, t in zip(drafts, target):
+            out.append(t)
+            if t != d:
+                return out
+        out.append(target[len(drafts)])
+        return out
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    out = []
+    for i, d in enumerate(drafts):
+        g = _generator(params.seed, first_position + i)
+        p = probs[i]
+        if float(torch.rand((), generator=g)) < float(p[d]):
+            out.append(d)
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=g)))
+        return out
+    g = _generator(params.seed, first_position + len(drafts))
+    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=g)))
+    return out

@@ -1,0 +1,69 @@
+"""launch_verify: one speculative verify step on the device: the target's forward over every request's
+input and drafted tokens, the logits of all of them, acceptance per request (`verify.accept`), and the
+last token each request appended stored where its next decode step reads its input. Synchronous (the
+acceptance needs the logits on the host); speculation runs without overlap scheduling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from swaserve.h2d import to_device
+from swaserve.speculative.verify import accept, speculates
+
+if TYPE_CHECKING:
+    from swaserve.runner.launcher import StepLauncher
+    from swaserve.scheduler.batch import ScheduleBatch
+    from swaserve.scheduler.req import Req
+
+
+@dataclass
+class VerifiedStep:
+    """A finished verify step, shaped like `LaunchedStep`: `wait()` gives, per sampling row
+    (`batch.sample_indices()` order), the tokens it appends, and logprobs where a row asked (rows
+    that ask decode one token: `verify.speculates`)."""
+
+    batch: ScheduleBatch
+    reqs: list[Req]
+    tokens: list[list[int]]
+    logprobs: list[dict[int, float] | None] | None
+
+    def wait(self) -> tuple[list[list[int]], list[dict[int, float] | None] | None]:
+        return self.tokens, self.logprobs
+
+
+def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
+    runner, device = launcher.runner, launcher.device
+    assert batch.drafts is not None
+    fb = batch.forward_inputs().build(device)
+    idx = batch.sample_indices()
+    nv = len(batch.drafts)
+    ends = torch.tensor(batch.extend_lens).cumsum(0).tolist()
+    spec = [i for i in idx if i < nv and speculates(batch.reqs[i].params)]
+    plain = [i for i in idx if not (i < nv and speculates(batch.reqs[i].params))]
+    sel = [t for i in spec for t in range(ends[i] - batch.extend_lens[i], ends[i])] + [ends[i] - 1 for i in plain]
+    hidden = runner.forward_hidden(fb, to_device(torch.tensor(sel, dtype=torch.int64), device))
+    n_spec = len(sel) - len(plain)
+    out: dict[int, list[int]] = {}
+    lps: dict[int, dict[int, float] | None] = {}
+    if plain:
+        reqs = [batch.reqs[i] for i in plain]
+        rows = fb.req_pool_indices[to_device(torch.tensor(plain), device)]
+        sampled, asked = launcher.sample(hidden[n_spec:], reqs, rows)
+        for i, t in zip(plain, sampled.next_token_ids.tolist()):
+            out[i] = [t]
+        if asked is not None:
+            lps.update(zip(plain, sampled.logprob_dicts(asked)))
+    if spec:
+        logits = runner.logits(hidden[:n_spec])
+        off = 0
+        for i in spec:
+            n, r = batch.extend_lens[i], batch.reqs[i]
+            out[i] = accept(logits[off : off + n], batch.drafts[i], r.params, first_position=len(r.ids))
+            off += n
+    rows = fb.req_pool_indices[to_device(torch.tensor(idx), device)]
+    runner.record_sampled(rows, to_device(torch.tensor([out[i][-1] for i in idx], dtype=torch.int64), device))
+    logprobs = [lps.get(i) for i in idx] if lps else None
+    return VerifiedStep(batch, [batch.reqs[i] for i in idx], [out[i] for i in idx], logprobs)
