@@ -82,7 +82,7 @@ class Engine:
 
         cache_cfg, sched_cfg, runner_cfg, par_cfg, spec_cfg = split_engine_options(engine_options)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches on the current device (a replica on cuda:1)
         self.tp: TensorParallel | None = None
         if par_cfg.tensor_parallel_size > 1:
