@@ -102,21 +102,26 @@ class Engine:
         self.model_name = loaded.name
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
+        drafter = None
+        if spec_cfg.speculative_method is not None:
+            from swaserve.speculative import build_drafter
+
+            if runner_cfg.overlap_schedule or self.tp is not None:
+                raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
+                                 "(not yet supported together)")
+            drafter = build_drafter(spec_cfg, config, self.device, self.dtype, sched_cfg, runner_cfg.load_format)
         rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg)
         self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
         self._runtime = rt
-        self.load_format = runner_cfg.load_format
         self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
         overlap = runner_cfg.overlap_schedule
         self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
-        if spec_cfg.speculative_method is not None:
-            from swaserve.speculative import build_speculation
+        if drafter is not None:
+            from swaserve.scheduler.speculate import Speculation
 
-            if overlap or self.tp is not None:
-                raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
-                                 "(not yet supported together)")
             self.overlap = False
-            self.scheduler.speculation = build_speculation(spec_cfg, self)
+            self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
+                                                     spec_cfg.speculative_max_batch_size)
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)

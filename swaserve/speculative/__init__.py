@@ -6,22 +6,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from swaserve.config import SpeculativeConfig
-    from swaserve.scheduler.speculate import Speculation
+    import torch
+
+    from swaserve.config import ModelConfig, SchedulerConfig, SpeculativeConfig
 
 
-def build_speculation(cfg: SpeculativeConfig, engine: Any) -> Speculation:
-    """The scheduler's `Speculation` for `cfg.speculative_method`, drafting for `engine`'s model."""
-    from swaserve.scheduler.speculate import Speculation
-
+def build_drafter(cfg: SpeculativeConfig, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+                  sched: SchedulerConfig, load_format: str) -> Any:
+    """The drafter for `cfg.speculative_method`. A draft model is built before the target's KV pools,
+    which then size themselves from the memory it leaves."""
     if cfg.speculative_method == "ngram":
         from swaserve.speculative.ngram import NgramDrafter
 
-        drafter: Any = NgramDrafter(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
-    elif cfg.speculative_method == "draft":
+        return NgramDrafter(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+    if cfg.speculative_method == "draft":
         from swaserve.speculative.draft_model import DraftModelDrafter
 
-        drafter = DraftModelDrafter.build(cfg.speculative_draft_model, engine)
-    else:
-        raise ValueError(f"unknown speculative_method {cfg.speculative_method!r}")
-    return Speculation(drafter, cfg.speculative_num_tokens, cfg.speculative_max_batch_size)
+        return DraftModelDrafter.build(cfg.speculative_draft_model, target, device, dtype, sched, load_format)
+    raise ValueError(f"unknown speculative_method {cfg.speculative_method!r}")

@@ -6,13 +6,14 @@ tokens the target appended (one extend forward for every request), then decodes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
+    from swaserve.config import ModelConfig, SchedulerConfig
     from swaserve.runtime import Runtime
     from swaserve.scheduler.req import Req
 
@@ -33,23 +34,22 @@ class DraftModelDrafter:
         self.seqs: dict[str, _DraftSeq] = {}
 
     @classmethod
-    def build(cls, model: str | None, engine: Any) -> DraftModelDrafter:
+    def build(cls, model: str | None, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+              target_sched: SchedulerConfig, load_format: str) -> DraftModelDrafter:
         from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
         from swaserve.engine_setup import load_engine_model
         from swaserve.runtime import build_runtime
 
-        target = engine.model_config
-        sched = SchedulerConfig(max_running_requests=engine.scheduler.config.max_running_requests,
-                                max_prefill_tokens=engine.scheduler.config.max_prefill_tokens,
-                                max_context=target.max_context)
-        runner = RunnerConfig(load_format=engine.load_format)  # dummy target (benchmarks): a dummy draft too
-        loaded, config = load_engine_model(model, engine.device, engine.dtype, sched, runner)
+        sched = SchedulerConfig(max_running_requests=target_sched.max_running_requests,
+                                max_prefill_tokens=target_sched.max_prefill_tokens, max_context=target.max_context)
+        runner = RunnerConfig(load_format=load_format)  # dummy target (benchmarks): a dummy draft too
+        loaded, config = load_engine_model(model, device, dtype, sched, runner)
         if config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({config.vocab_size}) differs from the target's "
                              f"({target.vocab_size}): it must use the same tokenizer")
-        budget = (256 << 20) if engine.device.type == "cpu" else (4 << 30)
+        budget = (256 << 20) if device.type == "cpu" else (4 << 30)
         cache = CacheConfig(kv_cache_bytes=budget, disable_prefix_cache=True)
-        return cls(build_runtime(config, loaded.model, engine.device, engine.dtype, cache, sched, runner))
+        return cls(build_runtime(config, loaded.model, device, dtype, cache, sched, runner))
 
     # -- the drafter interface ---------------------------------------------------------------
 

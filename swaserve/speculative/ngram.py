@@ -7,7 +7,8 @@ from __future__ import annotations
 
 class NgramDrafter:
     """`lookup(ids, k)`: up to k tokens. Longest suffix first (`max_n` down to `min_n`); among
-    matches of one length the latest wins. Looks back at most `lookback` tokens, so a step costs
+    matches of one length the latest one with k tokens after it wins, else the earliest (the most
+    after it: in a repeating sequence the latest match sits right before the end). Looks back at most `lookback` tokens, so a step costs
     O(lookback * max_n) per request at worst."""
 
     def __init__(self, min_n: int = 1, max_n: int = 4, lookback: int = 4096):
@@ -27,8 +28,13 @@ class NgramDrafter:
         for n in range(min(self.max_n, n_ids - 1), self.min_n - 1, -1):
             suffix = ids[n_ids - n:]
             first = suffix[0]
-            # Latest start j < n_ids - n with ids[j:j+n] == suffix (j + n <= n_ids - 1: something follows).
+            best = -1
+            # Starts j < n_ids - n with ids[j:j+n] == suffix, latest first (something follows each).
             for j in range(n_ids - n - 1, lo - 1, -1):
                 if ids[j] == first and ids[j:j + n] == suffix:
-                    return ids[j + n: j + n + k]
+                    if n_ids - (j + n) >= k:
+                        return ids[j + n: j + n + k]
+                    best = j  # scanning backwards: ends as the earliest match
+            if best >= 0:
+                return ids[best + n: best + n + k]
         return []

@@ -58,10 +58,11 @@ def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
             lps.update(zip(plain, sampled.logprob_dicts(asked)))
     if spec:
         logits = runner.logits(hidden[:n_spec])
+        greedy = logits.argmax(dim=-1).tolist()  # one copy for every greedy row
         off = 0
         for i in spec:
             n, r = batch.extend_lens[i], batch.reqs[i]
-            out[i] = accept(logits[off : off + n], batch.drafts[i], r.params, first_position=len(r.ids))
+            out[i] = accept(logits[off : off + n], batch.drafts[i], r.params, len(r.ids), greedy[off : off + n])
             off += n
     rows = fb.req_pool_indices[to_device(torch.tensor(idx), device)]
     runner.record_sampled(rows, to_device(torch.tensor([out[i][-1] for i in idx], dtype=torch.int64), device))
