@@ -30,7 +30,7 @@ PROSE = ("The river town grew slowly through the centuries. Merchants arrived wi
 
 def prompts_for(kind: str, n: int, tokenizer, vocab: int, rng: random.Random) -> list:
     if tokenizer is not None:
-        text = CODE * 6 + "def div(a, b):" if kind == "copy" else PROSE * 2 + "Then"
+        text = CODE * 6 + "def div(a, b):" if kind == "copy" else PROSE + "Then"
         return [text] * n if kind == "copy" else [f"{i}. " + text for i in range(n)]
     if kind == "copy":  # random weights: a motif repeated, which the n-gram drafter can look up
         motif = [rng.randrange(10, vocab) for _ in range(32)]
