@@ -25,8 +25,8 @@ def replica_specs(spec: CoreSpec, n: int, gpu_count: Callable[[], int] = visible
     `cuda:{k + i * tp}` for a device `cuda:k` (`cuda`: k = 0), where a replica takes tp GPUs
     (`tensor_parallel_size`, 1 without tensor parallelism); on CPU every replica gets "cpu". A spec
     without a `device` keyword (a test's fake engine) and a single replica are used as they are.
-    Raises ValueError for n < 1, more GPUs than are visible, and (n > 1) several nodes or tensor
-    parallelism on CUDA, which replicas cannot share yet."""
+    Raises ValueError for n < 1, more GPUs than are visible, and (n > 1) several nodes, whose
+    rendezvous replicas cannot share yet."""
     if n < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {n}")
     if n == 1:
@@ -46,10 +46,7 @@ def replica_specs(spec: CoreSpec, n: int, gpu_count: Callable[[], int] = visible
     if index and not index.isdigit():
         raise ValueError(f"invalid device {device!r}")
     first, count = int(index or 0), gpu_count()
-    tp = int(kw.get("tensor_parallel_size") or 1)
-    if tp > 1:  # NOTE: drop this once rank devices count from the replica's first GPU (rank_device)
-        raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 on CUDA is not supported "
-                         "yet (every replica's ranks would take the first GPUs)")
+    tp = int(kw.get("tensor_parallel_size") or 1)  # a replica's ranks: cuda:{its first} .. (`rank_device`)
     if first + n * tp > count:
         raise ValueError(
             f"--data-parallel-size {n} on device {device!r} needs GPUs cuda:{first}.."

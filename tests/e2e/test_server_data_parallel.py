@@ -312,8 +312,9 @@ def test_replica_devices():
     offset = CoreSpec(spec.factory, {"device": "cuda:2"})
     assert [s.kwargs["device"] for s in replica_specs(offset, 2, gpu_count=lambda: 4)] == ["cuda:2", "cuda:3"]
     tp = CoreSpec(spec.factory, {"device": "cuda", "tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match="tensor-parallel-size > 1 on CUDA is not supported yet"):
-        replica_specs(tp, 2, gpu_count=lambda: 4)
+    assert [s.kwargs["device"] for s in replica_specs(tp, 2, gpu_count=lambda: 4)] == ["cuda:0", "cuda:2"]
+    with pytest.raises(ValueError, match=r"needs GPUs cuda:0..cuda:5 \(2 per replica\), but 4 GPU"):
+        replica_specs(tp, 3, gpu_count=lambda: 4)
     tp_cpu = CoreSpec(spec.factory, {"device": "cpu", "tensor_parallel_size": 2})
     assert [s.kwargs["device"] for s in replica_specs(tp_cpu, 2, gpu_count=lambda: 0)] == ["cpu", "cpu"]
     for multi_node in ({"nnodes": 2}, {"dist_init_addr": "10.0.0.1:5000"}):
