@@ -20,10 +20,10 @@ from swaserve.scheduler.req import Req
 if TYPE_CHECKING:
     from swaserve.distributed.lead import TensorParallel
 
+
 @dataclass
 class EngineStats:
     prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
     retractions_total: int = 0
 
 
@@ -234,7 +234,6 @@ class Engine:
         """Wait for a launched step and commit its tokens; the sequences it advanced."""
         tokens, logprobs = step.wait()
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
-        self.stats.generation_tokens_total = self.scheduler.generated_total
         self.stats.retractions_total = self.scheduler.retractions_total
         for r in progressed:
             if r.finish_reason is not None and r.detok is not None and not r.detok.stopped:
@@ -284,7 +283,7 @@ class Engine:
         hit, query = (prefix.hit_tokens, prefix.query_tokens) if prefix is not None else (0, 0)
         spec = self.scheduler.speculation
         return {**self.memory_stats(), "prompt_tokens_total": self.stats.prompt_tokens_total,
-                "generation_tokens_total": self.stats.generation_tokens_total,
+                "generation_tokens_total": self.scheduler.generated_total,
                 "retractions_total": self.stats.retractions_total,
                 "prefix_cache_hit_tokens_total": hit, "prefix_cache_miss_tokens_total": query - hit,
                 "spec_draft_tokens_total": spec.drafted_total if spec is not None else 0,

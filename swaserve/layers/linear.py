@@ -59,7 +59,7 @@ class OutLinear(nn.Linear):
     """An output projection (o_proj, down_proj) feeding a residual add.
 
     Row-parallel under tensor parallelism: built with this rank's `in_features` (its heads or its
-    slice of the intermediate size, starting at `in_start` of the HF input dimension); the partial
+    slice of the intermediate size; `shard = (start, hf_in_features)` places it in the HF input); the partial
     products are summed over the ranks, then the (replicated) bias is added once.
 
     `forward(x, partial_sums=True)` may return float32 split-K partial sums `[S, M, N]` instead of

@@ -85,6 +85,11 @@ class ReqToTokenPool:
         if self.log is not None:
             self.log.append([TableOp.WRITE_TOKENS, list(rows), list(positions), host.tolist()])
 
+    def clear_from(self, row: int, start: int) -> bool:
+        """Whether every entry of `row` from position `start` on is 0 (nothing written past a request's
+        K/V length, or left behind by tokens given back, e.g. rejected speculative drafts)."""
+        return not bool(self._host[row, start:].any())
+
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Full-pool slots of positions start .. end-1 (int64, cpu), read from the host mirror."""
         return self._host[row, start:end].to(torch.int64)

@@ -354,6 +354,8 @@ class Scheduler:
         assert all(r.status is ReqStatus.RUNNING and r.pending == 1 for r in self.running)
         assert all(0 <= r.inflight <= 2 for r in (*self.waiting, *self.running)), "one token per launched step"
         live = [r for r in (*self.waiting, *self.running) if r.row is not None]
+        for r in live:
+            assert self.table.clear_from(r.row, r.kv_len), f"{r.rid}: table entries past its K/V length"  # type: ignore[arg-type]
         if self.prefix is not None:
             self.prefix.check_integrity(live)
         if self.evictor is not None:  # the keys every request's next query attends are in the SWA pool

@@ -153,3 +153,4 @@ class DraftModelDrafter:
         owned = [self.rt.req_to_token.slots(s.row, 0, len(s.tokens)) for s in self.seqs.values()]
         self.rt.allocator.check_integrity(torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64))
         self.rt.req_to_token.check_integrity()
+        assert all(self.rt.req_to_token.clear_from(s.row, len(s.tokens)) for s in self.seqs.values())

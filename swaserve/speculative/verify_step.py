@@ -5,6 +5,7 @@ acceptance needs the logits on the host); speculation runs without overlap sched
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,9 +41,10 @@ def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
     fb = batch.forward_inputs().build(device)
     idx = batch.sample_indices()
     nv = len(batch.drafts)
-    ends = torch.tensor(batch.extend_lens).cumsum(0).tolist()
-    spec = [i for i in idx if i < nv and speculates(batch.reqs[i].params)]
-    plain = [i for i in idx if not (i < nv and speculates(batch.reqs[i].params))]
+    ends = list(itertools.accumulate(batch.extend_lens))
+    drafted = [i < nv and speculates(batch.reqs[i].params) for i in idx]
+    spec = [i for i, d in zip(idx, drafted) if d]
+    plain = [i for i, d in zip(idx, drafted) if not d]
     sel = [t for i in spec for t in range(ends[i] - batch.extend_lens[i], ends[i])] + [ends[i] - 1 for i in plain]
     hidden = runner.forward_hidden(fb, to_device(torch.tensor(sel, dtype=torch.int64), device))
     n_spec = len(sel) - len(plain)

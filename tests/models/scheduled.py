@@ -23,3 +23,18 @@ def small_hybrid_runtime(path, backend: str):
     sched = SchedulerConfig(max_running_requests=4, max_prefill_tokens=7)  # chunks cross W = 8
     return build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched,
                          RunnerConfig(attention_backend=backend))
+
+
+def greedy_tokens(engine, prompts: list[list[int]], steps: int, after_step=None) -> dict[str, list[int]]:
+    """Run `prompts` (request ids "0", "1", ...) through a real Engine, `steps` greedy tokens each (EOS
+    ignored), calling `after_step()` after every step; each request's output token ids."""
+    from swaserve.request import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        out.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+        if after_step is not None:
+            after_step()
+    return out

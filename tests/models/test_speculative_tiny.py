@@ -8,26 +8,23 @@ from __future__ import annotations
 import pytest
 import torch
 from families import make_hf_model
+from scheduled import greedy_tokens
 
 from swaserve.engine import Engine
-from swaserve.request import SamplingParams
 
 OPTIONS = {"max_prefill_tokens": 16, "max_running_requests": 4, "max_context": 160, "kv_cache_bytes": 4 << 20}
 
 
 def run(path: str, prompts: list[list[int]], steps: int, **spec) -> tuple[dict[str, list[int]], Engine]:
     engine = Engine(path, device="cpu", dtype="float32", **OPTIONS, **spec)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
+    drafter = engine.scheduler.speculation.drafter if engine.scheduler.speculation else None
+
+    def check() -> None:
         engine.check_integrity()
-        drafter = engine.scheduler.speculation.drafter if engine.scheduler.speculation else None
         if hasattr(drafter, "check_integrity"):
             drafter.check_integrity()
+
+    out = greedy_tokens(engine, prompts, steps, check)
     stats = engine.memory_stats()
     assert stats["full_tokens_used"] == 0 and stats["swa_tokens_used"] == 0
     return out, engine

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from families import make_hf_model
+from scheduled import greedy_tokens
 
 from swaserve.engine import Engine
-from swaserve.request import SamplingParams
 
 PROMPT_LENS = (23, 9, 40, 17)
 STEPS = 12
@@ -23,14 +23,7 @@ OPTIONS = {"max_prefill_tokens": 16, "max_running_requests": 4, "max_context": 1
 def generate(path: str, prompts: list[list[int]], tp: int, overlap: bool = False) -> dict[str, list[int]]:
     engine = Engine(path, device="cpu", dtype="float32", tensor_parallel_size=tp, overlap_schedule=overlap, **OPTIONS)
     try:
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
-        out: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished:
-                    out[o.request_id] = list(o.outputs[0].token_ids)
-            engine.check_integrity()  # tables of every rank included
+        out = greedy_tokens(engine, prompts, STEPS, engine.check_integrity)  # every rank's tables included
         stats = engine.memory_stats()
         assert stats["full_tokens_used"] == 0 and stats["swa_tokens_used"] == 0
         return out
@@ -107,11 +100,7 @@ def test_two_nodes_on_one_machine(tmp_path):
         engine = Engine(str(tmp_path), device="cpu", dtype="float32", tensor_parallel_size=2, nnodes=2,
                         dist_init_addr=addr, **{**OPTIONS, "kv_cache_bytes": 4 << 20})
         try:
-            for i, p in enumerate(prompts):
-                engine.add_request(str(i), p, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
-            two: dict[str, list[int]] = {}
-            while engine.has_unfinished():
-                two.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+            two = greedy_tokens(engine, prompts, STEPS)
             engine.check_integrity()
         finally:
             engine.close()
