@@ -120,6 +120,10 @@ class Engine:
             from swaserve.scheduler.speculate import Speculation
 
             self.overlap = False
+            if hasattr(drafter, "attach"):
+                drafter.attach(rt)
+            if hasattr(drafter, "observe"):
+                self.launcher.set_observer(drafter)
             self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
                                                      spec_cfg.speculative_max_batch_size)
         self.stats = EngineStats()

@@ -33,12 +33,13 @@ class CudaGraphRunner(DecodeGraphRunner):
         self.backend.init_graph_state(self.sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> [bs, hidden], the graph's output (its pool)
+        self.aux_outputs: dict[int, torch.Tensor | None] = {}  # bs -> [bs, D] auxiliary states, or None
         self._capture()
 
-    def _run_once(self, bs: int) -> torch.Tensor:
+    def _run_once(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         fb = self._static_batch(bs, [1] * bs)
         self.backend.init_forward_metadata_graph(fb)
-        return self.model(fb)  # [bs, hidden]: one token per request
+        return self.model(fb), fb.scratch.get("aux_hidden")  # [bs, hidden]: one token per request
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -52,12 +53,12 @@ class CudaGraphRunner(DecodeGraphRunner):
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs] = self._run_once(bs)
+                    self.outputs[bs], self.aux_outputs[bs] = self._run_once(bs)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.runner.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> torch.Tensor:
+    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.graphs[bs].replay()
-        return self.outputs[bs]
+        return self.outputs[bs], self.aux_outputs[bs]

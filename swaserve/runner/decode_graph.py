@@ -35,6 +35,9 @@ class DecodeGraphRunner(ABC):
         self.full_to_swa = runner.attn_backend.full_to_swa
         self.sizes = capture_batch_sizes(max_bs)
         self.buffers = DecodeInputBuffers(self.sizes[-1], runner.device, hybrid=self.full_to_swa is not None)
+        # `[raw_bs, D]` auxiliary states of the last replay (`aux_hidden` in the batch scratch, for an
+        # EAGLE-3 drafter), None when the model keeps none; a view valid until the next replay.
+        self.last_aux: torch.Tensor | None = None
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.sizes[-1]
@@ -45,7 +48,9 @@ class DecodeGraphRunner(ABC):
         bs = padded_batch_size(raw, self.sizes)
         assert bs is not None, "can_run() must be checked first"
         self.buffers.populate(batch, bs)
-        return self._replay(bs, batch.seq_lens_cpu + [SEQ_LEN_FILL] * (bs - raw))[:raw]
+        hidden, aux = self._replay(bs, batch.seq_lens_cpu + [SEQ_LEN_FILL] * (bs - raw))
+        self.last_aux = aux[:raw] if aux is not None else None
+        return hidden[:raw]
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         """The batch a captured program reads, its derived inputs recomputed from the live buffers."""
@@ -55,5 +60,6 @@ class DecodeGraphRunner(ABC):
         return fb
 
     @abstractmethod
-    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> torch.Tensor:
-        """Run the captured program for bs rows over the static buffers; `[bs, hidden]` states."""
+    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the captured program for bs rows over the static buffers: `[bs, hidden]` states, and
+        the auxiliary states (`[bs, D]`) where the model keeps them."""

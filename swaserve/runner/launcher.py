@@ -4,8 +4,9 @@ collects the result. With one step in flight the host schedules the next while t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +55,14 @@ class StepLauncher:
         self.sampler = sampler or Sampler(batch_invariant=runner.deterministic)
         self.device = runner.device
         self.vocab_size = runner.model_config.vocab_size
+        # A drafter that reads the target's states (`Drafter.observe`, scheduler/speculate.py):
+        # given every step's states of the tokens each request confirmed. Setting it turns on
+        # `runner.keep_states`.
+        self.observer: Any = None
+
+    def set_observer(self, observer: Any) -> None:
+        self.observer = observer
+        self.runner.keep_states = observer is not None
 
     def launch(self, batch: ScheduleBatch) -> LaunchedStep:
         if batch.drafts is not None:  # a speculative verify step
@@ -66,6 +75,9 @@ class StepLauncher:
             self.lead.send(inputs, idx)
         fb = inputs.build(self.device)
         hidden = self.runner.forward_hidden(fb)  # [bs, hidden]
+        if self.observer is not None:
+            offsets = list(itertools.accumulate(batch.extend_lens, initial=0))[:-1]
+            self.observe(batch.reqs, offsets, batch.extend_lens)
         if not idx:
             return LaunchedStep(batch, [], None, None, None)
         reqs = [batch.reqs[i] for i in idx]
@@ -83,6 +95,14 @@ class StepLauncher:
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(batch, reqs, asked, host, ready)
+
+    def observe(self, reqs: list[Req], offsets: list[int], counts: list[int]) -> None:
+        """Hand the drafter the states of the tokens each request confirmed this step: rows
+        `offsets[i] .. offsets[i] + counts[i]` of `runner.step_states` (the last of them predicted
+        the request's newest token when it sampled)."""
+        states = self.runner.step_states
+        assert states is not None, "runner.keep_states is off"
+        self.observer.observe(reqs, states, offsets, counts)
 
     def sample(self, hidden: torch.Tensor, reqs: list[Req], rows: torch.Tensor) -> tuple[SamplerOutput, list | None]:
         """Next tokens for `reqs` from their last hidden states (`rows`: their request-table rows):

@@ -108,6 +108,12 @@ class ModelRunner:
         # read their input here, so a step can be launched before the host has seen the previous
         # step's tokens. Row 0 (padding) is never written and stays 0.
         self.last_tokens = torch.zeros(req_to_token.max_reqs + 1, dtype=torch.int64, device=self.device)  # [R+1] int64, device
+        # Drafters that read the target's states (EAGLE-3, Gemma 4's assistant) set `keep_states`:
+        # after each forward `step_states` holds `[num_tokens, D]` for every token of the batch, the
+        # final hidden states, or the concatenated auxiliary layers' inputs where the model keeps
+        # them (`aux_hidden` in the batch scratch). Valid until the next forward.
+        self.keep_states = False
+        self.step_states: torch.Tensor | None = None
 
     def enable_decode_graphs(self, max_bs: int) -> None:
         """Capture decode for batch sizes up to max_bs: CUDA graphs on a GPU, torch.compile on CPU."""
@@ -169,7 +175,11 @@ class ModelRunner:
             self.last_tokens.index_copy_(0, batch.req_pool_indices, batch.input_ids)
             self.last_tokens[:1].zero_()  # a padding row in the batch must not leave a token in row 0
         if self.graph_runner is not None and token_indices is None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)  # gathers its inputs from the table in the graph
+            hidden = self.graph_runner.replay(batch)  # gathers its inputs from the table in the graph
+            if self.keep_states:
+                aux = self.graph_runner.last_aux
+                self.step_states = hidden if aux is None else aux
+            return hidden
         if batch.is_decode and batch.input_ids is None:
             batch.input_ids = self.last_tokens[batch.req_pool_indices]
         if batch.table_inputs is not None:  # a mixed batch's decode inputs still in flight
@@ -177,6 +187,8 @@ class ModelRunner:
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)  # [num_tokens, hidden]
+        if self.keep_states:
+            self.step_states = batch.scratch.get("aux_hidden", hidden)
         return hidden[batch.last_token_indices() if token_indices is None else token_indices]
 
     @torch.inference_mode()

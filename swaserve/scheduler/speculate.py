@@ -21,6 +21,14 @@ if TYPE_CHECKING:
 
 
 class Drafter(Protocol):
+    """What a drafter implements. Optional: `attach(runtime)`, called once the target's runtime is
+    built (drafters that read the target's pools or embeddings), and `observe(reqs, states,
+    offsets, counts)`, which turns on `ModelRunner.keep_states` and is called after every target
+    step with rows `offsets[i] .. offsets[i] + counts[i]` of `states` (device, valid during the
+    call) holding the target's states for the tokens reqs[i] confirmed: its prefill chunk, its
+    decode input, or its verify input plus the accepted drafts (the last row predicted the token
+    the request appends, if it samples)."""
+
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] tokens to follow reqs[i].ids."""
         ...

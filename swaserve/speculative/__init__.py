@@ -1,5 +1,6 @@
-"""Speculative decoding: drafters propose tokens (`ngram`, `draft_model`), the target verifies them in
-one extend-shaped forward and `verify` decides what is accepted (lossless for greedy and sampling)."""
+"""Speculative decoding: drafters propose tokens (`ngram`, `draft_model`, `eagle3`, `frozen_kv`), the
+target verifies them in one extend-shaped forward and `verify` decides what is accepted (lossless for
+greedy and sampling)."""
 
 from __future__ import annotations
 
@@ -23,4 +24,12 @@ def build_drafter(cfg: SpeculativeConfig, target: ModelConfig, device: torch.dev
         from swaserve.speculative.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.build(cfg.speculative_draft_model, target, device, dtype, sched, load_format)
+    if cfg.speculative_method == "eagle3":
+        from swaserve.speculative.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter.build(cfg, target, device, dtype, sched, load_format)
+    if cfg.speculative_method == "mtp":
+        from swaserve.speculative.frozen_kv import FrozenKVDrafter
+
+        return FrozenKVDrafter.build(cfg, target, device, dtype, sched, load_format)
     raise ValueError(f"unknown speculative_method {cfg.speculative_method!r}")

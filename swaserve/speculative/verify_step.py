@@ -66,6 +66,10 @@ def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
             n, r = batch.extend_lens[i], batch.reqs[i]
             out[i] = accept(logits[off : off + n], batch.drafts[i], r.params, len(r.ids), greedy[off : off + n])
             off += n
+    if launcher.observer is not None:  # the states of each row's kept inputs
+        starts = [e - n for e, n in zip(ends, batch.extend_lens)]
+        kept = [len(out[i]) if i < nv else n for i, n in enumerate(batch.extend_lens)]
+        launcher.observe(batch.reqs, starts, kept)
     rows = fb.req_pool_indices[to_device(torch.tensor(idx), device)]
     runner.record_sampled(rows, to_device(torch.tensor([out[i][-1] for i in idx], dtype=torch.int64), device))
     logprobs = [lps.get(i) for i in idx] if lps else None
