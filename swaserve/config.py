@@ -116,7 +116,15 @@ def layer_attention_shape(hf: Any, layer_id: int, layer_type: str) -> tuple[int,
     """(head_dim, num_kv_heads) of one layer. Gemma 4's full layers are wider than its sliding ones:
     transformers >= 5 states that per layer (`per_layer_config`, and then forbids reading the global
     value); raw configs name the wide shape `global_head_dim` / `num_global_key_value_heads` (the
-    latter only with `attention_k_eq_v`)."""
+    latter only with `attention_k_eq_v`). MiMo-V2's sliding layers have twice the K/V heads of its
+    full ones, a rule of its transformers model rather than a config field."""
+    head_dim, kv_heads = _declared_attention_shape(hf, layer_id, layer_type)
+    if layer_type == SLIDING and getattr(hf, "model_type", None) == "mimo_v2_flash":
+        kv_heads *= 2  # transformers' MiMoV2FlashAttention doubles num_key_value_heads on sliding layers
+    return head_dim, kv_heads
+
+
+def _declared_attention_shape(hf: Any, layer_id: int, layer_type: str) -> tuple[int, int]:
     per_layer = getattr(hf, "per_layer_config", None)
     if per_layer is not None:
         layer = per_layer[layer_id]
@@ -137,12 +145,7 @@ def _kv_shape(hf: Any, layer_ids: tuple[int, ...], layer_type: str) -> tuple[int
     if len(shapes) > 1:
         raise ValueError(f"{layer_type} layers of one model must share a K/V shape, got (head_dim, kv_heads) {sorted(shapes)}")
     head_dim, kv_heads = shapes.pop()
-    v_head_dim = getattr(hf, "v_head_dim", None) or head_dim
-    if layer_type == SLIDING:
-        # Families whose SWA layers have their own K/V shape without per-layer configs (MiMo-V2) name them swa_*.
-        kv_heads = getattr(hf, "swa_num_key_value_heads", None) or kv_heads
-        head_dim = getattr(hf, "swa_head_dim", None) or head_dim
-        v_head_dim = getattr(hf, "swa_v_head_dim", None) or v_head_dim
+    v_head_dim = getattr(hf, "v_head_dim", None) or head_dim  # MiMo-V2: V narrower than K (128 vs 192)
     return int(kv_heads), int(head_dim), int(v_head_dim)
 
 

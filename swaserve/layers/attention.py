@@ -27,6 +27,10 @@ class SelfAttention(nn.Module):
     k_norm, sinks. Gemma 4 forms: `k_eq_v` (no v_proj: V is the raw key projection), `v_norm` (V
     RMS-normed without weight), `kv_shared` (q_proj only: the layer reads the K/V its source layer
     wrote this step and stores nothing; the pool routes its layer id to the source's buffers).
+    MiMo-V2 forms: `v_head_dim` narrower than the q/k `head_dim` (o_proj reads `num_heads * v_head_dim`),
+    `v_scale` multiplying V before it is cached, and partial rotary (the rotary module's
+    `rotary_dim` < `head_dim`). The fused norm/rotary/store kernel covers none of these: such layers
+    rotate and store through the unfused path on every backend.
 
     Tensor parallelism: `num_heads`/`num_kv_heads` are the model's; the layer holds this rank's
     heads (`distributed.state.HeadShard`), column-parallel q/k/v, row-parallel o_proj.
@@ -51,6 +55,8 @@ class SelfAttention(nn.Module):
         v_norm: dict | None = None,  # RMSNorm kwargs (eps) when V is normed per head without weight
         k_eq_v: bool = False,
         kv_shared: bool = False,
+        v_head_dim: int | None = None,  # default: head_dim
+        v_scale: float | None = None,  # V *= v_scale before it is cached (MiMo-V2 attention_value_scale)
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -60,26 +66,31 @@ class SelfAttention(nn.Module):
         self.q_start = part.q_start
         num_heads, num_kv_heads = part.num_heads, part.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.k_eq_v, self.kv_shared = k_eq_v, kv_shared
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        hf_q, hf_kv = self.num_heads_total * head_dim, self.num_kv_heads_total * head_dim
-        q = (part.q_start * head_dim, hf_q)
-        kv = (part.kv_start * head_dim, hf_kv)
-        sizes, rows = ([q_size], [q]) if kv_shared else ([q_size, kv_size], [q, kv]) if k_eq_v else (
-            [q_size, kv_size, kv_size], [q, kv, kv])
+        dv = self.v_head_dim = v_head_dim or head_dim
+        if k_eq_v and dv != head_dim:
+            raise ValueError("k_eq_v needs v_head_dim == head_dim")
+        self.k_eq_v, self.kv_shared, self.v_scale = k_eq_v, kv_shared, v_scale
+        q_size, k_size, v_size = num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * dv
+        q = (part.q_start * head_dim, self.num_heads_total * head_dim)
+        k = (part.kv_start * head_dim, self.num_kv_heads_total * head_dim)
+        v = (part.kv_start * dv, self.num_kv_heads_total * dv)
+        sizes, rows = ([q_size], [q]) if kv_shared else ([q_size, k_size], [q, k]) if k_eq_v else (
+            [q_size, k_size, v_size], [q, k, v])
         self.qkv_proj = MergedLinear(hidden_size, sizes, qkv_bias, rows)
-        self.o_proj = OutLinear(q_size, hidden_size, bias=o_bias, shard=q)
+        self.o_proj = OutLinear(num_heads * dv, hidden_size, bias=o_bias,
+                                shard=(part.q_start * dv, self.num_heads_total * dv))
         self.q_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None else None
         self.k_norm = RMSNorm(head_dim, **qk_norm) if qk_norm is not None and not kv_shared else None
         self.v_norm = RMSNorm(head_dim, **v_norm, scale=False) if v_norm is not None and not kv_shared else None
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None  # [num_heads]
         self.rotary = rotary
+        self.fusable = dv == head_dim and v_scale is None and rotary.rotary_dim == head_dim
         self.spec = AttentionSpec(
             layer_id=layer_id,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            v_head_dim=head_dim,
+            v_head_dim=dv,
             scaling=scaling,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
@@ -98,8 +109,9 @@ class SelfAttention(nn.Module):
         backend = batch.attn_backend
         assert backend is not None, "ModelRunner sets batch.attn_backend before the model runs"
         qkv = self.qkv_proj(hidden)
-        # Every form fuses (Gemma 4's included); the torch-native oracle keeps the unfused path.
-        fused = backend.fused_kv_store
+        # Every Gemma/Llama/GPT-OSS form fuses; the torch-native oracle keeps the unfused path, as do
+        # MiMo-V2's layers (narrow V, V scale, partial rotary: see the class docstring).
+        fused = backend.fused_kv_store and self.fusable
         if fused:  # norm + rotary + K/V store in one launch, in place on qkv
             self._norm_rotate_store(qkv, batch)
         parts = qkv.split(self.qkv_proj.out_sizes, dim=-1)
@@ -107,20 +119,22 @@ class SelfAttention(nn.Module):
         k = v = None
         if not self.kv_shared:
             k = parts[1].view(n, self.num_kv_heads, self.head_dim)
-            v = k if self.k_eq_v else parts[2].view(n, self.num_kv_heads, self.head_dim)
+            v = k if self.k_eq_v else parts[2].view(n, self.num_kv_heads, self.v_head_dim)
         if not fused:
             q, k, v = self._norm_rotate(q, k, v, batch)
         elif self.k_eq_v:
             v = None  # normed raw k, which the kernel only stored: the backend reads V back from the pool
         # A KV-shared layer's K/V are in the pool already: its source layer stored them this step.
         out = backend.forward(q, k, v, self.spec, batch, self.sinks, kv_stored=fused or self.kv_shared)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), partial_sums)
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim), partial_sums)
 
     def _norm_rotate(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         if self.v_norm is not None:
             v = self.v_norm(v)  # before k is normed: with k_eq_v, v is the raw key projection
+        if self.v_scale is not None and v is not None:
+            v = v * self.v_scale
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k) if k is not None else None

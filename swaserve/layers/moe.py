@@ -1,17 +1,22 @@
 """Mixture-of-experts blocks. GPT-OSS: a biased top-k router and experts with biased, interleaved
 gate/up weights (a plain per-expert loop). Gemma 4: a normed, scaled router and bias-free stacked
-experts run by `fused_moe.moe_experts`.
+experts run by `fused_moe.moe_experts`. MiMo-V2: a sigmoid router with grouped top-k selection over
+the same stacked experts (loaded expert by expert from per-expert checkpoints).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from swaserve.distributed.state import all_reduce, shard_size, tp_group
+
+if TYPE_CHECKING:
+    from swaserve.runner.forward_batch import ForwardBatch
 
 
 class TopKRouter(nn.Module):
@@ -172,6 +177,23 @@ class StackedExperts(nn.Module):
             return tensor.narrow(2, start, local)
         return tensor
 
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        """One expert's HF weight, for checkpoints that store experts one by one: `gate_proj` or
+        `up_proj` `[I, hidden]`, `down_proj` `[hidden, I]` (this rank's part of I taken here)."""
+        local = self.gate_up_proj.shape[1] // 2
+        start = self.tp.rank * local if self.tp.enabled else 0
+        if proj == "down_proj":
+            dst, dim = self.down_proj.data[expert], 1
+        elif proj in ("gate_proj", "up_proj"):
+            dst, dim = self.gate_up_proj.data[expert].narrow(0, 0 if proj == "gate_proj" else local, local), 0
+        else:
+            raise ValueError(f"unknown expert projection {proj!r}")
+        if tensor.ndim == 2 and tensor.shape[dim] == self.hf_intermediate != local:
+            tensor = tensor.narrow(dim, start, local)
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"expert {expert} {proj}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+        dst.copy_(tensor)
+
     def forward(
         self,
         x: torch.Tensor,  # [n, hidden]
@@ -183,3 +205,52 @@ class StackedExperts(nn.Module):
 
         return all_reduce(moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid,
                                       self.batch_invariant))
+
+
+class GroupedTopKRouter(nn.Module):
+    """MiMo-V2's router (DeepSeek-V3's selection): sigmoid scores of float32 logits; experts chosen by
+    `scores + e_score_correction_bias` within the `topk_group` of `n_group` groups whose two best
+    biased scores sum highest; their weights are the unbiased scores, renormalised to sum to 1 when
+    `norm_topk_prob` (+1e-20, as HF), times `routed_scaling_factor`. The owning model keeps weight
+    and bias float32 whatever its dtype, as the checkpoints store them (bf16 would flip choices).
+    HF names: weight, e_score_correction_bias."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float):
+        super().__init__()
+        if num_experts % n_group or num_experts // n_group < 2:
+            raise ValueError(f"n_group {n_group} must split {num_experts} experts into groups of at least 2")
+        if not 0 < topk_group <= n_group or not 0 < top_k <= topk_group * num_experts // n_group:
+            raise ValueError(f"top_k {top_k} / topk_group {topk_group} cannot be chosen from {n_group} groups")
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.scale = norm_topk_prob, float(routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, hidden] float32
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))  # [E] float32
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[n, hidden]` -> routing weights `[n, k]` float32 and expert ids `[n, k]` int64."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [n, E]
+        biased = scores + self.e_score_correction_bias.float()
+        n, e = biased.shape
+        if self.n_group > 1:
+            grouped = biased.view(n, self.n_group, e // self.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [n, n_group]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            biased = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(n, e)
+        ids = biased.topk(self.top_k, dim=-1).indices  # [n, k]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
+def routed_rows(batch: ForwardBatch, h: torch.Tensor) -> torch.Tensor | None:
+    """`[bs]` bool, once per forward (shared by every MoE layer): False for the padded rows of a
+    replayed decode graph, which point at request row 0 and must route nothing. None elsewhere (an
+    extend batch has no padding; the CPU reference path needs no mask)."""
+    if not (batch.is_decode and h.is_cuda):
+        return None
+    if "moe_routed_rows" not in batch.scratch:
+        batch.scratch["moe_routed_rows"] = batch.req_pool_indices != 0
+    return batch.scratch["moe_routed_rows"]

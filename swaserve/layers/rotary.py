@@ -1,6 +1,6 @@
 """Rotary position embedding (rotate-half / NeoX layout) with HF's frequency schemes: default,
 linear, llama3, YaRN and proportional (Gemma 4), read from a transformers config's `rope_parameters`
-(per layer type if nested).
+(per layer type if nested), over the whole head or its leading `partial_rotary_factor` part (MiMo-V2).
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ class RotaryEmbedding(nn.Module):
     at construction (explicitly on the CPU, so meta-device model init does not erase it), moved to
     the positions' device on first use. cos/sin are computed in float32 and cast to the q/k dtype
     before the rotation, as HF does.
+
+    Partial rotary (HF `partial_rotary_factor`): the tables cover `rotary_dim = 2 * len(inv_freq)`
+    channels; a head wider than that rotates its first `rotary_dim` channels (rotate-half within
+    them) and passes the rest through.
     """
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
         super().__init__()
         self.inv_freq = inv_freq.float().cpu()  # [rotary_dim / 2] float32, cpu
+        self.rotary_dim = 2 * inv_freq.numel()
         self.attention_scaling = attention_scaling  # YaRN scales cos/sin (both q and k)
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
@@ -49,23 +54,30 @@ class RotaryEmbedding(nn.Module):
         cache: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cos, sin = self.cos_sin(positions, cache)
-        if q.is_cuda:  # one fused launch, in place
+        r = self.rotary_dim
+        if q.is_cuda:  # one fused launch, in place (on the leading r channels' views when partial)
             from swaserve.kernels.rotary import apply_rotary_
 
-            apply_rotary_(q, k if k is not None else q[:, :0], cos, sin)
+            apply_rotary_(q[..., :r], k[..., :r] if k is not None else q[:, :0, :r], cos, sin)
             return q, k
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q = _rotate(q, cos.to(q.dtype), sin.to(q.dtype))
-        return q, (_rotate(k, cos.to(k.dtype), sin.to(k.dtype)) if k is not None else None)
+        q = _rotate_leading(q, cos.to(q.dtype), sin.to(q.dtype), r)
+        return q, (_rotate_leading(k, cos.to(k.dtype), sin.to(k.dtype), r) if k is not None else None)
 
     def extra_repr(self) -> str:
-        return f"dim={2 * self.inv_freq.numel()}, attention_scaling={self.attention_scaling}"
+        return f"dim={self.rotary_dim}, attention_scaling={self.attention_scaling}"
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Pairs (i, i + d/2) rotate together: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rotate_leading(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    if x.shape[-1] == rotary_dim:
+        return _rotate(x, cos, sin)
+    return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
 
 
 def rope_parameters(hf: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -79,16 +91,21 @@ def rope_parameters(hf: Any, layer_type: str | None = None) -> dict[str, Any]:
     return dict(params)
 
 
-def rope_from_config(hf: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
-    """Build the rotary embedding HF would use for a layer of `layer_type`."""
+def rope_from_config(hf: Any, head_dim: int, layer_type: str | None = None,
+                     default_partial: float = 1.0) -> RotaryEmbedding:
+    """Build the rotary embedding HF would use for a layer of `layer_type`. A `partial_rotary_factor`
+    (`default_partial` where the config names none: MiMo-V2's transformers model assumes 0.334)
+    rotates the first `int(head_dim * factor)` channels, frequencies spread over those only, as HF's
+    rope initialisers compute them."""
     p = rope_parameters(hf, layer_type)
     rope_type = p.get("rope_type", p.get("type", "default"))
     base = float(p["rope_theta"])
     if rope_type == "proportional":
         return RotaryEmbedding(_proportional(p, base, head_dim))
-    if p.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial rotary embeddings are not supported with rope_type {rope_type!r}")
-    dim = head_dim
+    partial = p.get("partial_rotary_factor", default_partial)
+    dim = int(head_dim * partial)
+    if not 0 < dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {partial} leaves no rotary channels of head_dim {head_dim}")
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # [dim / 2]
     inv_freq = 1.0 / (base**exponent)
     if rope_type == "default":

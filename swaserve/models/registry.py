@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma4ForCausalLM": ("swaserve.models.gemma4", "Gemma4ForCausalLM"),
     "Gemma4ForConditionalGeneration": ("swaserve.models.gemma4", "Gemma4ForCausalLM"),
     "GptOssForCausalLM": ("swaserve.models.gpt_oss", "GptOssForCausalLM"),
+    "MiMoV2FlashForCausalLM": ("swaserve.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),
 }
 
 # For configs that carry no `architectures` (built in code, or by the GGUF loader).
@@ -30,6 +31,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
     "gpt_oss": "GptOssForCausalLM",
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM",
 }
 
 

@@ -65,6 +65,24 @@ def test_rotary_in_place_matches_torch(device, dtype, head_dim, hq, hk):
     torch.testing.assert_close(k, ref_k, **tol)
 
 
+@pytest.mark.parametrize("head_dim, rotary_dim", [(24, 8), (192, 64)])
+def test_partial_rotary_in_place_on_leading_channels(device, head_dim, rotary_dim):
+    """MiMo-V2's partial rotary: the kernel rotates views of each head's first `rotary_dim` channels
+    (as `RotaryEmbedding.forward` passes them on CUDA) and leaves the rest untouched."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rope = RotaryEmbedding(inv_freq)
+    positions = torch.tensor([0, 7, 8, 9, 131, 4099], device=device)
+    hq, hk = 4, 2
+    qkv = torch.randn(len(positions), (hq + hk) * head_dim + hk * 16, device=device)
+    q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * 16], dim=-1)
+    q, k = q.view(-1, hq, head_dim), k.view(-1, hk, head_dim)
+    ref_q, ref_k = rope(positions.cpu(), q.cpu(), k.cpu())  # the torch path on CPU tensors
+    cos, sin = rope.cos_sin(positions)
+    apply_rotary_(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
+    torch.testing.assert_close(q.cpu(), ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.cpu(), ref_k, rtol=1e-5, atol=1e-5)
+
+
 def test_cos_sin_cache_is_per_forward():
     rope = RotaryEmbedding(torch.ones(4))
     cache: dict = {}

@@ -92,6 +92,20 @@ def gemma4_moe() -> Any:
                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
 
 
+def mimo_v2_flash() -> Any:
+    """Q/K heads of 24 and V heads of 16 (the real 192 / 128), sliding layers with twice the full
+    layers' K/V heads and sinks, a third of each head rotated with a θ per layer type, V scaled, a
+    dense first layer then 8 experts in 4 groups (top 2 of 2 groups), scaled, renormalised routing."""
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334}}
+    return tf.MiMoV2FlashConfig(**{**COMMON, "num_key_value_heads": 1}, num_hidden_layers=4, head_dim=24,
+                                v_head_dim=16, sliding_window=8, attention_value_scale=0.6, rope_parameters=rope,
+                                layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                             "full_attention"],
+                                n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                moe_intermediate_size=24, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
 FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
     "llama": (llama, tf.LlamaForCausalLM),
     "mistral": (mistral, tf.MistralForCausalLM),
@@ -103,6 +117,7 @@ FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
     "gemma4": (gemma4, tf.Gemma4ForCausalLM),
     "gemma4_ple": (gemma4_ple, tf.Gemma4ForCausalLM),
     "gemma4_moe": (gemma4_moe, tf.Gemma4ForCausalLM),
+    "mimo_v2_flash": (mimo_v2_flash, tf.MiMoV2FlashForCausalLM),
 }
 
 
@@ -122,6 +137,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
     for name, b in model.named_buffers():
         if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale: a buffer, 1 at init
             b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=g))
+        elif name.endswith("e_score_correction_bias"):  # MiMo-V2's routing bias: a buffer, 0 at init
+            b.copy_(0.2 * torch.randn(b.shape, generator=g))
 
 
 def make_hf_model(family: str, out_dir: Path, seed: int = 0) -> torch.nn.Module:

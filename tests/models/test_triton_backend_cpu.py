@@ -32,10 +32,11 @@ def test_triton_backend_matches_torch_native(tmp_path, monkeypatch, combine):
         assert not backend._split_counters.any(), "every combining program reset its counter"
 
 
-@pytest.mark.parametrize("family", ["gemma4", "gemma4_ple"])
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_ple", "mimo_v2_flash"])
 def test_triton_backend_matches_torch_native_gemma4(tmp_path, family):
-    """Different K/V shapes per pool (SWA 2 x 16, full 1 x 32 with K = V), and KV-shared layers that
-    read their source layer's K/V back from the pool (extend gathers them in SWA space)."""
+    """Different K/V shapes per pool (Gemma 4: SWA 2 x 16, full 1 x 32 with K = V; MiMo-V2: SWA 2 x
+    (24 + 16), full 1 x (24 + 16) with sinks on the SWA layers), and KV-shared layers that read their
+    source layer's K/V back from the pool (extend gathers them in SWA space)."""
     make_hf_model(family, tmp_path, seed=5)
     ref, tri = runtime(tmp_path, "torch_native"), runtime(tmp_path, "triton")
     assert tri.kv.swa_space and tri.kv.full.k_buffer(0).shape[1:] != tri.kv.swa.k_buffer(0).shape[1:]
