@@ -65,8 +65,18 @@ class DecoderLayer(nn.Module):
         return add_norm(self.mlp(x, partial_sums=True), h, None, next_norm)
 
 
+def keep_aux_hidden(batch: ForwardBatch, layers: tuple[int, ...], seen: dict[int, torch.Tensor]) -> None:
+    """`batch.scratch["aux_hidden"]` `[num_tokens, len(layers) * hidden]`: the residual streams `seen`
+    entering `layers` (id = the layer count: the last layer's output, before the final norm), in order."""
+    batch.scratch["aux_hidden"] = torch.cat([seen[i] for i in layers], dim=-1)
+
+
 class DecoderStack(nn.Module):
-    """HF's `model.` prefix: embed_tokens, layers, norm."""
+    """HF's `model.` prefix: embed_tokens, layers, norm. `aux_hidden_layers` (set by an EAGLE-3
+    drafter before decode graphs are captured): also keep the residual stream entering those layers
+    (`keep_aux_hidden`)."""
+
+    aux_hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, embed_tokens: VocabEmbedding, layers: list[DecoderLayer], norm: RMSNorm):
         super().__init__()
@@ -77,9 +87,15 @@ class DecoderStack(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
         x = self.layers[0].input_layernorm(h)
+        seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_layers:
+                seen[i] = h
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = layer(h, x, batch, nxt)
+        if self.aux_hidden_layers:
+            seen[len(self.layers)] = h
+            keep_aux_hidden(batch, self.aux_hidden_layers, seen)
         return x
 
 

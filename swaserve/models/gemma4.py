@@ -19,7 +19,7 @@ from swaserve.layers.embedding import VocabEmbedding
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.moe import NormRouter, StackedExperts
 from swaserve.layers.norm import RMSNorm, add_norm
-from swaserve.models.base import CausalLM
+from swaserve.models.base import CausalLM, keep_aux_hidden
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
@@ -123,7 +123,10 @@ class PerLayerInputs(nn.Module):
 
 
 class Gemma4Stack(nn.Module):
-    """HF's `model.`: embed_tokens, layers, norm and, with PLE, the per-layer input tables."""
+    """HF's `model.`: embed_tokens, layers, norm and, with PLE, the per-layer input tables.
+    `aux_hidden_layers`: as `DecoderStack`'s (EAGLE-3)."""
+
+    aux_hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, embed: VocabEmbedding, layers: list[Gemma4DecoderLayer], norm: RMSNorm,
                  per_layer: PerLayerInputs | None):
@@ -137,9 +140,15 @@ class Gemma4Stack(nn.Module):
         h = self.embed_tokens(batch.input_ids)
         ple = self.per_layer(batch.input_ids, h) if self.per_layer is not None else None
         x = self.layers[0].input_layernorm(h)
+        seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_layers:
+                seen[i] = h
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = layer(h, x, batch, nxt, ple[:, i] if ple is not None else None)
+        if self.aux_hidden_layers:
+            seen[len(self.layers)] = h
+            keep_aux_hidden(batch, self.aux_hidden_layers, seen)
         return x
 
 
