@@ -78,7 +78,7 @@ class Engine:
         are the caller's business (the server's engine core: its frontend detokenizes).
         `engine_options`: fields of the cache, scheduler and runner configs (`swaserve.config`),
         e.g. `max_running_requests=128, overlap_schedule=False`."""
-        from swaserve.runtime import build_runtime
+        from swaserve.runtime import build_runtime, start_runner
 
         cache_cfg, sched_cfg, runner_cfg, par_cfg, spec_cfg = split_engine_options(engine_options)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
@@ -110,7 +110,8 @@ class Engine:
                 raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
                                  "(not yet supported together)")
             drafter = build_drafter(spec_cfg, config, self.device, self.dtype, sched_cfg, runner_cfg.load_format)
-        rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg)
+        rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg,
+                           start=drafter is None)
         self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
         self._runtime = rt
         self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
@@ -124,6 +125,8 @@ class Engine:
                 drafter.attach(rt)
             if hasattr(drafter, "observe"):
                 self.launcher.set_observer(drafter)
+            k = spec_cfg.speculative_num_tokens
+            start_runner(rt, runner_cfg, sched_cfg, verify=(spec_cfg.speculative_max_batch_size, k + 1))
             self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
                                                      spec_cfg.speculative_max_batch_size)
         self.stats = EngineStats()

@@ -72,7 +72,10 @@ def build_runtime(
     cache: CacheConfig,
     sched: SchedulerConfig,
     runner_cfg: RunnerConfig,
+    start: bool = True,
 ) -> Runtime:
+    """Pools, allocator, runner and scheduler for `model`. `start=False` leaves graph capture and
+    warm-up to the caller (`start_runner`), e.g. after a drafter has attached to the runtime."""
     from swaserve.runner.model_runner import ModelRunner
 
     kv_dtype = cache.dtype or dtype
@@ -110,15 +113,27 @@ def build_runtime(
         full_to_swa = None
     runner = ModelRunner(config, model, kv, table, full_to_swa, device, dtype, attention_backend=runner_cfg.attention_backend,
                          deterministic=runner_cfg.enable_deterministic_inference)
+    # The tree checks SWA windows only where SWA K/V can be missing: in a hybrid SWA pool.
+    prefix_cache = (None if cache.disable_prefix_cache
+                    else RadixCache(allocator, config.sliding_window if plan.hybrid else None))
+    scheduler = Scheduler(sched, ctx, table, allocator, evictor, prefix_cache)
+    rt = Runtime(plan, kv, table, allocator, evictor, runner, scheduler)
+    if start:
+        start_runner(rt, runner_cfg, sched)
+    return rt
+
+
+def start_runner(rt: Runtime, runner_cfg: RunnerConfig, sched: SchedulerConfig,
+                 verify: tuple[int, int] | None = None) -> None:
+    """Capture the decode graphs (and, with `verify` = (max batch, tokens per request), the
+    speculative verify graphs) and warm the kernels up, before the first request."""
+    runner, device = rt.runner, rt.runner.device
     use_graphs = (device.type == "cuda" and not runner_cfg.disable_cuda_graph) or (
         device.type == "cpu" and runner_cfg.enable_cpu_graph
     )
     if use_graphs:
         runner.enable_decode_graphs(sched.max_running_requests)
+        if verify is not None and device.type == "cuda" and not runner.deterministic:
+            runner.enable_verify_graphs(min(verify[0], sched.max_running_requests), verify[1])
     if device.type == "cuda":
         runner.warmup()  # the prefill kernels' JIT compiles, before the first request
-    # The tree checks SWA windows only where SWA K/V can be missing: in a hybrid SWA pool.
-    prefix_cache = (None if cache.disable_prefix_cache
-                    else RadixCache(allocator, config.sliding_window if plan.hybrid else None))
-    scheduler = Scheduler(sched, ctx, table, allocator, evictor, prefix_cache)
-    return Runtime(plan, kv, table, allocator, evictor, runner, scheduler)

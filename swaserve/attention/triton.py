@@ -25,8 +25,8 @@ from swaserve.kernels import (
     split_counter_count,
     store_kv,
 )
-from swaserve.kernels.unified_attention import unified_attention
 from swaserve.kernels.common import num_sms
+from swaserve.kernels.unified_attention import unified_attention
 
 if TYPE_CHECKING:
     from swaserve.memory.req_to_token import ReqToTokenPool
@@ -100,7 +100,10 @@ class TritonAttnBackend(AttentionBackend):
         self._build(batch, static=None)
 
     def init_graph_state(self, max_bs: int) -> None:
-        """Allocate fixed list buffers for decode graphs of up to `max_bs` requests."""
+        """Allocate fixed list buffers for graphs of up to `max_bs` requests (decode and verify
+        graphs share them; a smaller request keeps the larger buffers)."""
+        if self._graph is not None and self._graph["full"].start.numel() >= max_bs:
+            return
         ctx = self.req_to_token.max_context
         self._graph = {"full": self._alloc(max_bs, kv_indices_capacity(max_bs, ctx))}
         if self.window is not None:
@@ -120,13 +123,23 @@ class TritonAttnBackend(AttentionBackend):
             torch.zeros(bs, dtype=torch.int32, device=dev),
         )
 
+    def init_forward_metadata_strided(self, batch: ForwardBatch, q_len: int, prefix_lens: torch.Tensor,
+                                      qo_indptr: torch.Tensor) -> None:
+        """Extend metadata for `q_len` query slots per request (a padded verify step), into the graph
+        buffers from device tensors only, so it can be captured: `prefix_lens` `[bs]` int32 (keys
+        before each request's first slot), `qo_indptr` `[bs+1]` int32 (`b * q_len`)."""
+        assert self._graph is not None and not batch.is_decode and not self.deterministic
+        meta = TritonMetadata(None, None, self._swa_locs(batch), qo_indptr, prefix_lens, q_len)
+        self._lists(batch, meta, self._graph, prefix_lens, prefix_lens, 0, 0)
+
+    def _swa_locs(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if batch.swa_out_cache_loc is None and self.full_to_swa is not None:
+            return self.full_to_swa[batch.out_cache_loc]  # int32: once per forward
+        return batch.swa_out_cache_loc
+
     def _build(self, batch: ForwardBatch, static: dict[str, KVList] | None) -> None:
         bs = batch.batch_size
-        table = self.req_to_token.req_to_token
-        swa_loc = batch.swa_out_cache_loc
-        if swa_loc is None and self.full_to_swa is not None:
-            swa_loc = self.full_to_swa[batch.out_cache_loc]  # int32: once per forward
-        meta = TritonMetadata(None, None, swa_loc)
+        meta = TritonMetadata(None, None, self._swa_locs(batch))
         if self.deterministic:
             self._build_unified(batch, meta)
             return
@@ -144,6 +157,14 @@ class TritonAttnBackend(AttentionBackend):
             meta.max_extend_len = max(batch.extend_seq_lens_cpu)
             kv_lens = first_q = meta.prefix_lens  # the earliest query of request b is at prefix_len_b
             full_cap = sum(batch.extend_prefix_lens_cpu)
+        self._lists(batch, meta, static, kv_lens, first_q, full_cap, bs * (self.window or 0))
+
+    def _lists(self, batch: ForwardBatch, meta: TritonMetadata, static: dict[str, KVList] | None,
+               kv_lens: torch.Tensor, first_q: torch.Tensor | None, full_cap: int, win_cap: int) -> None:
+        """The full-context and window key lists into `meta` (fresh buffers of the given capacities,
+        or the graph buffers `static`), then `meta` onto the batch."""
+        bs = batch.batch_size
+        table = self.req_to_token.req_to_token
 
         def lists(name: str, cap: int, window: int | None, table_map: torch.Tensor | None) -> KVList:
             kl = static[name] if static is not None else self._alloc(bs, cap)
@@ -156,7 +177,6 @@ class TritonAttnBackend(AttentionBackend):
         if self._has_full:
             meta.full = lists("full", full_cap, None, None)
         if self.window is not None:
-            win_cap = bs * self.window if static is None else 0
             meta.window = lists("window", win_cap, self.window, self.full_to_swa)
         batch.attn_metadata = meta
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from swaserve.memory.swa import SWAKVPool
     from swaserve.runner.decode_graph import DecodeGraphRunner
     from swaserve.runner.forward_batch import ForwardBatch
+    from swaserve.runner.verify_graph import VerifyGraphRunner
 
 # Every backend is constructed as cls(kv, req_to_token, full_to_swa, sliding_window=W); the triton
 # backend also takes deterministic=True, and torch_native has a deterministic-mode class of its own.
@@ -104,6 +105,7 @@ class ModelRunner:
             model_config.sliding_window, deterministic,
         )
         self.graph_runner: DecodeGraphRunner | None = None
+        self.verify_graphs: VerifyGraphRunner | None = None  # speculative verify steps (CUDA)
         # Row r: the last token sampled for the request in row r of the request table. Decode steps
         # read their input here, so a step can be launched before the host has seen the previous
         # step's tokens. Row 0 (padding) is never written and stays 0.
@@ -127,6 +129,13 @@ class ModelRunner:
             # Deterministic mode traces with the eager backend: inductor would fuse and reorder the
             # batch-invariant reductions (the graph's win on CPU is small anyway).
             self.graph_runner = CpuGraphRunner(self, max_bs, "eager" if self.deterministic else "inductor")
+
+    def enable_verify_graphs(self, max_bs: int, q_len: int) -> None:
+        """Capture extend steps of up to `q_len` tokens per request (speculative verify steps) for
+        batch sizes up to max_bs (CUDA, triton backend, not in deterministic mode)."""
+        from swaserve.runner.verify_graph import VerifyGraphRunner
+
+        self.verify_graphs = VerifyGraphRunner(self, max_bs, q_len)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -180,6 +189,11 @@ class ModelRunner:
                 aux = self.graph_runner.last_aux
                 self.step_states = hidden if aux is None else aux
             return hidden
+        if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
+            hidden, aux = self.verify_graphs.replay(batch)
+            if self.keep_states:
+                self.step_states = hidden if aux is None else aux
+            return hidden[batch.last_token_indices() if token_indices is None else token_indices]
         if batch.is_decode and batch.input_ids is None:
             batch.input_ids = self.last_tokens[batch.req_pool_indices]
         if batch.table_inputs is not None:  # a mixed batch's decode inputs still in flight

@@ -23,7 +23,8 @@ def build_drafter(cfg: SpeculativeConfig, target: ModelConfig, device: torch.dev
     if cfg.speculative_method == "draft":
         from swaserve.speculative.draft_model import DraftModelDrafter
 
-        return DraftModelDrafter.build(cfg.speculative_draft_model, target, device, dtype, sched, load_format)
+        return DraftModelDrafter.build(cfg.speculative_draft_model, target, device, dtype, sched, load_format,
+                                       verify=(cfg.speculative_max_batch_size, cfg.speculative_num_tokens + 1))
     if cfg.speculative_method == "eagle3":
         from swaserve.speculative.eagle3 import Eagle3Drafter
 

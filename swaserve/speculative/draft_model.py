@@ -35,10 +35,13 @@ class DraftModelDrafter:
 
     @classmethod
     def build(cls, model: str | None, target: ModelConfig, device: torch.device, dtype: torch.dtype,
-              target_sched: SchedulerConfig, load_format: str) -> DraftModelDrafter:
+              target_sched: SchedulerConfig, load_format: str, verify: tuple[int, int] | None = None,
+              ) -> DraftModelDrafter:
+        """`verify`: (max batch, tokens per request) of the catch-up steps captured in CUDA graphs
+        (the tokens a request appended since its last draft: at most K + 1)."""
         from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
         from swaserve.engine_setup import load_engine_model
-        from swaserve.runtime import build_runtime
+        from swaserve.runtime import build_runtime, start_runner
 
         sched = SchedulerConfig(max_running_requests=target_sched.max_running_requests,
                                 max_prefill_tokens=target_sched.max_prefill_tokens, max_context=target.max_context)
@@ -49,7 +52,9 @@ class DraftModelDrafter:
                              f"({target.vocab_size}): it must use the same tokenizer")
         budget = (256 << 20) if device.type == "cpu" else (4 << 30)
         cache = CacheConfig(kv_cache_bytes=budget, disable_prefix_cache=True)
-        return cls(build_runtime(config, loaded.model, device, dtype, cache, sched, runner))
+        rt = build_runtime(config, loaded.model, device, dtype, cache, sched, runner, start=False)
+        start_runner(rt, runner, sched, verify=verify)
+        return cls(rt)
 
     # -- the drafter interface ---------------------------------------------------------------
 
