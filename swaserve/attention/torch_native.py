@@ -68,7 +68,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         if swa_loc is None and self.full_to_swa is not None:
             swa_loc = self.full_to_swa[batch.out_cache_loc].to(torch.int32)
         if swa_loc is not None:
-            live = self._live_tokens(batch)
+            # A live row writing to the reserved slot 0 stores nothing: a read-only query (the
+            # frozen-KV drafter's, whose layers all read another model's K/V).
+            live = self._live_tokens(batch) & (batch.out_cache_loc != 0)
             assert not bool(((swa_loc <= 0) & live).any()), "a new token's full slot has no SWA slot"
         meta = TorchNativeMetadata(keys={}, swa_out_cache_loc=swa_loc)
         if not batch.is_decode:

@@ -60,8 +60,8 @@ class Eagle3MidLayer(nn.Module):
 class Eagle3Head(nn.Module):
     """The engine's model interface (`forward`, `compute_logits`, `greedy_tokens`, `sample_tokens`)
     over a draft forward. `forward(batch)` reads its state input from `batch.scratch` (AUX_INPUT or
-    HIDDEN_INPUT; neither: zeros, the runner's warm-up), writes PRENORM there and returns the normed
-    states; the token functions return target ids (`d2t`). `embed_tokens` is the checkpoint's or,
+    HIDDEN_INPUT; neither: zeros, the runner's warm-up, as are the embeddings before the drafter
+    shares the target's), writes PRENORM there and returns the normed states; the token functions return target ids (`d2t`). `embed_tokens` is the checkpoint's or,
     when it has none, set by the drafter to share the target's table (unscaled)."""
 
     def __init__(self, hf: Any, target_hidden: int, has_embed: bool):
@@ -80,13 +80,12 @@ class Eagle3Head(nn.Module):
         self.needs_d2t = self.draft_vocab != hf.vocab_size
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        assert self.embed_tokens is not None, "the drafter shares the target's embedding before any forward"
-        embeds = self.embed_tokens(batch.input_ids)
         if AUX_INPUT in batch.scratch:
             g = self.fc(batch.scratch[AUX_INPUT])
-        else:
+        else:  # zeros: the runner's warm-up, which may run before the drafter shares the embedding
             g = batch.scratch.get(HIDDEN_INPUT)
-            g = torch.zeros_like(embeds) if g is None else g
+            g = self.fc.weight.new_zeros(batch.input_ids.shape[0], self.hidden_size) if g is None else g
+        embeds = self.embed_tokens(batch.input_ids) if self.embed_tokens is not None else torch.zeros_like(g)
         out = self.midlayer(embeds, g, batch)
         batch.scratch[PRENORM] = out
         return self.norm(out)

@@ -27,13 +27,14 @@ def _generator(seed: int | None, position: int) -> torch.Generator | None:
     return torch.Generator().manual_seed((seed * 1_000_003 + position) & ((1 << 63) - 1))
 
 
-def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams, first_position: int,
+def accept(logits: torch.Tensor | None, drafts: list[int], params: SamplingParams, first_position: int,
            argmax: list[int] | None = None) -> list[int]:
     """`logits` `[len(drafts) + 1, vocab]` float32 (row i: after the input and drafts[:i]) -> the
     tokens to append, 1 to len(drafts) + 1 of them. `first_position`: the position the first of
     them will take (seeds the draws). `argmax`: the rows' argmax when the caller has it (greedy
-    rows of a batch take it in one device-to-host copy)."""
+    rows of a batch take it in one device-to-host copy; then `logits` may be None)."""
     if params.is_greedy:
+        assert argmax is not None or logits is not None
         target = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
         out = []
         for d, t in zip(drafts, target):
@@ -42,6 +43,7 @@ def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams, firs
                 return out
         out.append(target[len(drafts)])
         return out
+    assert logits is not None, "sampling needs the logits"
     probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
     out = []
     for i, d in enumerate(drafts):
