@@ -1,0 +1,146 @@
+"""FrozenKVDrafter: Gemma 4's assistant (`gemma4_assistant`) drafting over the target's own KV cache. It
+stores no K/V: every assistant layer reads the target's last full-attention or last sliding layer
+through the target's request table (SWA space for the sliding one), as a decode-shaped forward with
+one query per request at position len(ids) - 1 and keys [0, len(ids) - 1), the same for all K steps."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from swaserve.h2d import to_device
+from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from swaserve.config import ModelConfig, SchedulerConfig, SpeculativeConfig
+    from swaserve.models.gemma4_assistant import Gemma4Assistant
+    from swaserve.runtime import Runtime
+    from swaserve.scheduler.req import Req
+
+log = logging.getLogger(__name__)
+
+
+class FrozenKVDrafter:
+    """Owns the assistant model, an attention backend of its own over the target's pools (its window is
+    the assistant's W + 1, see `Gemma4Assistant`), and `states`: per request-table row, the target's
+    final hidden state that predicted the row's newest token (written by `observe`, on the device).
+
+    Invariants: drafting never writes a pool or the request table (the layers are KV-shared readers and
+    the batch's write slots are the reserved slot 0); a request is drafted for only when every key its
+    sliding layers read still has an SWA slot (the SWA eviction margin is raised to 2 on attach, so
+    the (W+1)-th key survives; a prefix-cache hit can still lack it for a step)."""
+
+    def __init__(self, model: Gemma4Assistant, device: torch.device):
+        self.model = model
+        self.device = device
+        self.rt: Runtime | None = None
+        self.backend = None
+        self.embed = None  # the target's (scaled) token embedding
+        self.states: torch.Tensor | None = None  # [max_reqs+1, target hidden] model dtype, device
+
+    @classmethod
+    def build(cls, cfg: SpeculativeConfig, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+              sched: SchedulerConfig, load_format: str) -> FrozenKVDrafter:
+        from pathlib import Path
+
+        from transformers import AutoConfig
+
+        from swaserve.models.gemma4_assistant import Gemma4Assistant
+
+        path = cfg.speculative_draft_model
+        if path is None or not (Path(path) / "config.json").is_file():
+            raise ValueError("speculative_method 'mtp' needs speculative_draft_model: the HF directory of a "
+                             f"gemma4_assistant checkpoint (config.json + safetensors), got {path!r}")
+        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with torch.device("meta"):
+            model = Gemma4Assistant(hf, target)
+        model = model.to(dtype=dtype).to_empty(device=device).eval()
+        if load_format == "dummy":
+            from swaserve.loader.dummy import init_dummy_weights
+
+            init_dummy_weights(model)
+            if model.masked_embedding is not None:
+                emb = model.masked_embedding
+                emb.token_ordering.copy_(torch.randperm(emb.token_ordering.numel(), device="cpu"))
+        else:
+            from swaserve.loader.safetensors import iter_safetensors
+
+            model.load_weights(iter_safetensors(path))
+        return cls(model, device)
+
+    def attach(self, rt: Runtime) -> None:
+        from swaserve.attention.torch_native import TorchNativeAttnBackend
+        from swaserve.runner.model_runner import create_attention_backend
+
+        self.rt = rt
+        runner = rt.runner
+        self.embed = runner.model.model.embed_tokens
+        hidden = self.model.hf_config.backbone_hidden_size
+        rows = rt.req_to_token.max_reqs + 1
+        self.states = torch.zeros(rows, hidden, dtype=runner.dtype, device=self.device)
+        name = "torch_native" if isinstance(runner.attn_backend, TorchNativeAttnBackend) else "triton"
+        self.backend = create_attention_backend(name, rt.kv, rt.req_to_token, runner.attn_backend.full_to_swa,
+                                                self.model.window)
+        if rt.evictor is not None and rt.evictor.margin < 2:
+            # A query at p frees keys before p - W + 1 - margin; the assistant reads back to p - W - 1.
+            log.info("mtp drafter: SWA eviction margin raised from %d to 2", rt.evictor.margin)
+            rt.evictor.margin = 2
+
+    # -- the drafter interface ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def observe(self, reqs: list[Req], states: torch.Tensor, offsets: list[int], counts: list[int]) -> None:
+        assert self.states is not None, "attach() first"
+        pairs = [(r.row, o + n - 1) for r, o, n in zip(reqs, offsets, counts) if n > 0 and r.row is not None]
+        if pairs:
+            # [2, n] int64, device: table rows, then the state rows they take.
+            idx = to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), self.device)
+            self.states.index_copy_(0, idx[0], states[idx[1]].to(self.states.dtype))
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        assert self.states is not None and self.embed is not None, "attach() first"
+        live = [i for i, (r, k) in enumerate(zip(reqs, ks))
+                if k > 0 and r.row is not None and self._keys_live(r)]
+        if not live:
+            return [[] for _ in reqs]
+        rows = [reqs[i].row for i in live]
+        kv = [reqs[i].kv_len for i in live]
+        assert all(reqs[i].kv_len == len(reqs[i].ids) - 1 for i in live), "speculation runs without overlap"
+        # One query per request at position len(ids) - 1 over keys [0, len(ids) - 1); nothing is stored,
+        # so the write slots are the reserved slot 0.
+        nowhere = torch.zeros(len(live), dtype=torch.int64)
+        batch = ForwardBatch.build(ForwardMode.DECODE, None, kv, rows, kv, nowhere,  # type: ignore[arg-type]
+                                   self.device)
+        batch.attn_backend = self.backend
+        self.backend.init_forward_metadata(batch)  # type: ignore[union-attr]
+        token = to_device(torch.tensor([reqs[i].ids[-1] for i in live], dtype=torch.int64), self.device)
+        hidden = self.states[batch.req_pool_indices]
+        drafted = []
+        for _ in range(max(ks[i] for i in live)):
+            hidden, token = self.model(torch.cat([self.embed(token), hidden], dim=-1), batch)
+            drafted.append(token)
+        out = torch.stack(drafted, dim=1).tolist()
+        drafts: list[list[int]] = [[] for _ in reqs]
+        for i, d in zip(live, out):
+            drafts[i] = d[: ks[i]]
+        return drafts
+
+    def release(self, req: Req) -> None:
+        """Nothing to drop: a row's state is overwritten by the next request's prefill before it drafts."""
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _keys_live(self, r: Req) -> bool:
+        """Whether every key the sliding layers read (positions kv_len - W - 1 .. kv_len - 1) still has
+        its SWA slot, from the host mirrors (no device read). The request's own eviction keeps them
+        (margin 2); a prefix-cache hit guarantees only the W - 1 positions before the match."""
+        rt = self.rt
+        assert rt is not None
+        window = self.model.window
+        if rt.evictor is None or window is None:
+            return True
+        full = rt.req_to_token.slots(r.row, max(0, r.kv_len - window), r.kv_len)  # type: ignore[arg-type]
+        return bool((rt.allocator.full_to_swa[full] > 0).all())  # type: ignore[union-attr]
