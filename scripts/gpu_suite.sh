@@ -8,7 +8,8 @@
 # prefix_1b / prefix_4b (benchmarks/prefix_cache.py, cache on vs off); for issue 17: det_kernels (the
 # batch-invariant kernels natively), det_probes_{1b,4b,g4} (64 probes alone vs among 100 others, mode on
 # and off), det_cost_1b / det_cost_4b (decode step and offline throughput off vs on, top kernels) and
-# det_serve (200 @ 128 through the server with --enable-deterministic-inference). Logs in $OUT/<step>.log;
+# det_serve (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
+# (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -107,6 +108,11 @@ for step in "${steps[@]}"; do
             d=$(model_dir 1b)
             run stress_1b 300 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
                 --num-requests 200 --concurrency 128 --window 512 --max-tokens 256 -- --max-running-requests 128 ;;
+        spec_graphs)  # issue 19: verify steps through CUDA graphs vs eager, shrinking batches, poisoned slots
+            run spec_graphs 300 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_verify_graph_gpu.py ;;
+        spec_1b|spec_4b)  # issue 19: plain vs n-gram vs self-draft at batch 1/8/32 (random weights)
+            run "$step" 420 python3 benchmarks/speculative.py --shape "${step#spec_}" --methods plain,ngram,draft \
+                --batch-sizes 1,8,32 --max-tokens 128 ;;
         capacity)
             run capacity 170 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
         *) echo "unknown step $step" ;;
