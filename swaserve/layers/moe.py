@@ -215,6 +215,8 @@ class GroupedTopKRouter(nn.Module):
     and bias float32 whatever its dtype, as the checkpoints store them (bf16 would flip choices).
     HF names: weight, e_score_correction_bias."""
 
+    batch_invariant = False  # deterministic mode (`layers.batch_invariant`)
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
                  norm_topk_prob: bool, routed_scaling_factor: float):
         super().__init__()
@@ -229,7 +231,7 @@ class GroupedTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[n, hidden]` -> routing weights `[n, k]` float32 and expert ids `[n, k]` int64."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [n, E]
+        scores = _linear(x.float(), self.weight.float(), None, self.batch_invariant).sigmoid()  # [n, E]
         biased = scores + self.e_score_correction_bias.float()
         n, e = biased.shape
         if self.n_group > 1:
