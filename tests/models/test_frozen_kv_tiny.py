@@ -79,9 +79,10 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return p + [list(p[2])]  # waits for a row, then hits the prefix cache on all but its last token
 
 
-def run(path: str, prompts: list[list[int]], steps: int, **spec) -> tuple[dict[str, list[int]], Engine, list]:
+def run(path: str, prompts: list[list[int]], steps: int, device: str = "cpu",
+        **spec) -> tuple[dict[str, list[int]], Engine, list]:
     """Greedy outputs, the engine, and every (ids, k, drafts) the drafter proposed."""
-    engine = Engine(path, device="cpu", dtype="float32", **OPTIONS, **spec)
+    engine = Engine(path, device=device, dtype="float32", **OPTIONS, **spec)
     proposed: list[tuple[list[int], int, list[int]]] = []
     if spec:
         drafter = engine.scheduler.speculation.drafter
@@ -99,9 +100,10 @@ def run(path: str, prompts: list[list[int]], steps: int, **spec) -> tuple[dict[s
     return out, engine, proposed
 
 
-@pytest.mark.parametrize("family,copying,ordered", [("gemma4_ple", False, False), ("gemma4_ple", True, False),
-                                                    ("gemma4", True, True)])
-def test_drafts_equal_hf_and_greedy_is_lossless(family, copying, ordered, tmp_path):
+def mtp_run(family: str, copying: bool, ordered: bool, tmp_path, device: str = "cpu") -> tuple[int, int, dict]:
+    """Plain and mtp greedy runs of 5 prompts (one a prefix-cache hit) on `device`: asserts they agree
+    and that nearly every request due a draft got one; returns how many proposals equal HF's drafts,
+    out of how many, and the engine counters."""
     tdir, adir = tmp_path / "target", tmp_path / "assistant"
     target = make_hf_model(family, tdir)
     assistant = make_assistant(target.config, hidden=64 if copying else 48, ordered=ordered)
@@ -110,16 +112,22 @@ def test_drafts_equal_hf_and_greedy_is_lossless(family, copying, ordered, tmp_pa
         target.save_pretrained(tdir)
     assistant.save_pretrained(adir)
     prompts = prompts_for(target.config.vocab_size)
-    plain, _, _ = run(str(tdir), prompts, 20)
-    spec, engine, proposed = run(str(tdir), prompts, 20, speculative_method="mtp",
+    plain, _, _ = run(str(tdir), prompts, 20, device)
+    spec, engine, proposed = run(str(tdir), prompts, 20, device, speculative_method="mtp",
                                  speculative_draft_model=str(adir), speculative_num_tokens=3)
     assert spec == plain
     drafted = [(ids, d) for ids, k, d in proposed if d]
     assert len(drafted) >= 0.9 * len([k for _, k, _ in proposed if k]), "requests went undrafted"
     assert max(len(ids) for ids, _ in drafted) > 2 * target.config.sliding_window + 3
-    for ids, d in drafted:
-        assert d == hf_drafts(target, assistant, ids, len(d)), f"drafts after {len(ids)} tokens differ"
-    c = engine.counters()
+    agree = sum(d == hf_drafts(target, assistant, ids, len(d)) for ids, d in drafted)
+    return agree, len(drafted), engine.counters()
+
+
+@pytest.mark.parametrize("family,copying,ordered", [("gemma4_ple", False, False), ("gemma4_ple", True, False),
+                                                    ("gemma4", True, True)])
+def test_drafts_equal_hf_and_greedy_is_lossless(family, copying, ordered, tmp_path):
+    agree, total, c = mtp_run(family, copying, ordered, tmp_path)
+    assert agree == total
     assert c["spec_draft_tokens_total"] > 0
     if copying:
         assert 0 < c["spec_accepted_tokens_total"] < c["spec_draft_tokens_total"]
@@ -185,6 +193,12 @@ def test_drafting_never_writes_the_target_pools(tmp_path):
         assert torch.equal(b, a)
     assert torch.equal(table, rt.req_to_token.req_to_token)
     assert torch.equal(mapping, rt.allocator.full_to_swa_device)
+    # The oldest key of a sliding layer lost its SWA slot (as after a prefix-cache hit whose window
+    # starts at a tombstone): that request is not drafted for, the others are as before.
+    r = max(reqs, key=lambda r: r.kv_len)
+    rt.allocator.free_swa(rt.req_to_token.slots(r.row, r.kv_len - w - 1, r.kv_len - w))
+    again = drafter.propose(reqs, [3] * len(reqs))
+    assert again == [[] if q is r else d for q, d in zip(reqs, drafts)]
 
 
 def test_bad_checkpoints_are_refused(tmp_path):
