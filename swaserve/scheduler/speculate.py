@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
 from swaserve.speculative.verify import speculates
@@ -66,10 +68,10 @@ class Speculation:
         slots = sched._alloc(need)
         prefix = [r.kv_len for r in reqs]
         lens = [1 + len(d) for d in drafts]
-        off = 0
+        rows = [r.row for r, n in zip(reqs, lens) for _ in range(n)]
+        positions = [p for r, n in zip(reqs, lens) for p in range(r.kv_len, r.kv_len + n)]
+        sched.table.write_tokens(rows, positions, slots)  # type: ignore[arg-type]  (one copy)
         for r, n in zip(reqs, lens):
-            sched.table.write(r.row, r.kv_len, slots[off : off + n])  # type: ignore[arg-type]
-            off += n
             r.kv_len += n
             r.inflight += 1
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, lens, slots, [True] * len(reqs),
@@ -83,6 +85,7 @@ class Speculation:
         assert batch.drafts is not None
         nv = len(batch.drafts)
         progressed: list[Req] = []
+        rejected: list[tuple[int, int, int]] = []  # (row, first, end) of rejected drafts' K/V
         for j, i in enumerate(batch.sample_indices()):
             r = batch.reqs[i]
             if r.finished:
@@ -104,12 +107,24 @@ class Speculation:
                 self.drafted_total += drafted
                 self.accepted_total += accepted
                 keep, end = batch.prefix_lens[i] + appended, batch.prefix_lens[i] + batch.extend_lens[i]
-                if end > keep and r.row is not None:  # the rejected drafts' K/V, both pools
-                    sched.allocator.free(sched.table.slots(r.row, keep, end))
-                    sched.table.clear(r.row, keep, end)
+                if end > keep and r.row is not None:
+                    rejected.append((r.row, keep, end))
                     r.kv_len = keep
+            progressed.append(r)
+        self._free_rejected(sched, rejected)
+        for r in progressed:
             if r.finish_reason is not None:
                 sched._finish(r)
-            progressed.append(r)
         sched._evict_due(batch.reqs)
         return progressed
+
+    @staticmethod
+    def _free_rejected(sched: Scheduler, rejected: list[tuple[int, int, int]]) -> None:
+        """Give back the rejected drafts' slots in both pools and zero their table entries (one
+        free, one table copy for the whole batch)."""
+        if not rejected:
+            return
+        sched.allocator.free(torch.cat([sched.table.slots(row, a, b) for row, a, b in rejected]))
+        rows = [row for row, a, b in rejected for _ in range(a, b)]
+        positions = [p for _, a, b in rejected for p in range(a, b)]
+        sched.table.write_tokens(rows, positions, torch.zeros(len(positions), dtype=torch.int32))
