@@ -83,10 +83,14 @@ class FrozenKVDrafter:
         name = "torch_native" if isinstance(runner.attn_backend, TorchNativeAttnBackend) else "triton"
         self.backend = create_attention_backend(name, rt.kv, rt.req_to_token, runner.attn_backend.full_to_swa,
                                                 self.model.window)
-        if rt.evictor is not None and rt.evictor.margin < 2:
-            # A query at p frees keys before p - W + 1 - margin; the assistant reads back to p - W - 1.
-            log.info("mtp drafter: SWA eviction margin raised from %d to 2", rt.evictor.margin)
-            rt.evictor.margin = 2
+        ev = rt.evictor
+        if ev is not None and self.model.window is not None:
+            # The target frees keys before p - W + 1 - margin once its queries reach p; the assistant
+            # reads back to p - window (window = its W + 1): margin 2 when both windows are W.
+            need = self.model.window + 1 - ev.window
+            if ev.margin < need:
+                log.info("mtp drafter: SWA eviction margin raised from %d to %d", ev.margin, need)
+                ev.margin = need
 
     # -- the drafter interface ---------------------------------------------------------------
 
