@@ -68,13 +68,13 @@ class MiMoV2FlashForCausalLM(CausalLM):
 
     def __init__(self, hf_config: Any):
         if getattr(hf_config, "quantization_config", None):
-            raise ValueError("quantised MiMo-V2-Flash checkpoints (e.g. the FP8 release) are not supported yet; "
+            raise ValueError("quantised MiMo-V2-Flash checkpoints (a quantization_config, e.g. FP8) are not supported yet; "
                              "use a bf16 or fp32 checkpoint")
         self._experts_loaded: dict[str, set[tuple[int, str]]] = {}
         super().__init__(hf_config)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        # `model.to(dtype)` casts every parameter: put the routers back (HF keeps them float32 too).
+        # `model.to(dtype)` casts every parameter: put the routers back (transformers loads them float32 too).
         super()._apply(fn, recurse)
         for m in self.modules():
             if isinstance(m, GroupedTopKRouter) and any(p.dtype != torch.float32 for p in m.parameters()):
