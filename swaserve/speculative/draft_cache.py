@@ -56,29 +56,30 @@ class DraftCache:
             self.truncate(r, 0)
             self.rt.req_to_token.free(r.row)
 
-    def batch(self, mode: ForwardMode, rows: list[DraftRow], ids: list[list[int]],
-              positions: list[list[int]]) -> ForwardBatch:
-        """A forward appending `ids[i]` at rope positions `positions[i]` to rows[i] (slots allocated,
-        table written, lengths advanced); extend-shaped unless `mode` is DECODE (one token a row)."""
-        locs = []
+    def batch(self, mode: ForwardMode, rows: list[DraftRow], ids: list[list[int]] | None,
+              positions: list[list[int]], counts: list[int] | None = None) -> ForwardBatch:
+        """A forward appending `ids[i]` at rope positions `positions[i]` to rows[i] (slots allocated
+        in one go, the table written in one copy, lengths advanced); extend-shaped unless `mode` is
+        DECODE (one token a row). `ids` None (decode): the inputs are in the runner's last-token
+        table; `counts` then gives the tokens per row (1 each)."""
+        counts = [len(new) for new in ids] if ids is not None else counts or [1] * len(rows)
+        slots = self.rt.allocator.alloc(sum(counts))
+        if slots is None:  # sized for every running request at full context
+            raise RuntimeError("the drafter's KV cache is full")
         prefix = [r.length for r in rows]
-        for r, new in zip(rows, ids):
-            slots = self.rt.allocator.alloc(len(new))
-            if slots is None:  # sized for every running request at full context
-                raise RuntimeError("the drafter's KV cache is full")
-            self.rt.req_to_token.write(r.row, r.length, slots)
-            r.length += len(new)
-            locs.append(slots)
-        flat_ids = [t for new in ids for t in new]
+        table_rows = [r.row for r in rows]
+        self.rt.req_to_token.write_tokens([r for r, n in zip(table_rows, counts) for _ in range(n)],
+                                          [p for a, n in zip(prefix, counts) for p in range(a, a + n)], slots)
+        for r, n in zip(rows, counts):
+            r.length += n
+        flat_ids = [t for new in ids for t in new] if ids is not None else None
         flat_pos = [p for ps in positions for p in ps]
         seq_lens = [r.length for r in rows]
         device = self.rt.runner.device
-        table_rows = [r.row for r in rows]
         if mode == ForwardMode.DECODE:
-            return ForwardBatch.build(mode, flat_ids, flat_pos, table_rows, seq_lens, torch.cat(locs), device)
-        ext = [len(new) for new in ids]
-        return ForwardBatch.build(mode, flat_ids, flat_pos, table_rows, seq_lens, torch.cat(locs), device,
-                                  extend_prefix_lens=prefix, extend_seq_lens=ext)
+            return ForwardBatch.build(mode, flat_ids, flat_pos, table_rows, seq_lens, slots, device)
+        return ForwardBatch.build(mode, flat_ids, flat_pos, table_rows, seq_lens, slots, device,
+                                  extend_prefix_lens=prefix, extend_seq_lens=counts)
 
     def evict(self, rows: list[DraftRow]) -> None:
         """Free the SWA slots that left every future query's window (a head with sliding layers)."""

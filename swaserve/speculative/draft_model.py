@@ -1,7 +1,9 @@
 """DraftModelDrafter: a smaller model with the target's tokenizer proposes tokens greedily (e.g. Gemma 3
-270M drafting for Gemma 3 1B/4B). It keeps its own two-pool cache: per target sequence a request row
-whose K/V cover the tokens it has seen; each step it drops what the target rejected, catches up on the
-tokens the target appended (one extend forward for every request), then decodes k - 1 steps."""
+270M drafting for Gemma 3 1B/4B). It keeps its own two-pool cache (`DraftCache`: per target sequence a
+request row whose K/V cover the tokens it has seen); each step it drops what the target rejected,
+catches up on the tokens the target appended (one extend forward for every request, a verify-shaped
+CUDA graph when they fit), then decodes k - 1 steps. The drafted tokens stay on the device between
+those steps (each decode reads its input from the runner's last-token table): one host sync a step."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+from swaserve.h2d import to_device
+from swaserve.runner.forward_batch import ForwardMode
+from swaserve.speculative.draft_cache import DraftCache, DraftRow
 
 if TYPE_CHECKING:
     from swaserve.config import ModelConfig, SchedulerConfig
@@ -20,9 +24,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class _DraftSeq:
-    row: int
+    cache: DraftRow
     tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the draft cache, in order
-    swa_evicted: int = 0
+    confirmed: int = 0  # tokens[:confirmed] is a prefix of the target's ids (which only grow)
 
 
 class DraftModelDrafter:
@@ -31,6 +35,7 @@ class DraftModelDrafter:
 
     def __init__(self, rt: Runtime):
         self.rt = rt
+        self.cache = DraftCache(rt)
         self.seqs: dict[str, _DraftSeq] = {}
 
     @classmethod
@@ -60,102 +65,70 @@ class DraftModelDrafter:
 
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
         live = [(r, k) for r, k in zip(reqs, ks) if k > 0 and self._sync(r)]
+        if not live:
+            return [[] for _ in reqs]
+        rs = [r for r, _ in live]
+        seqs = [self.seqs[r.rid] for r in rs]
+        steps = max(k for _, k in live)
+        runner = self.rt.runner
+        outs = [self._catch_up(rs, seqs)]
+        rows = to_device(torch.tensor([s.cache.row for s in seqs], dtype=torch.int64), runner.device)
+        for step in range(1, steps):
+            runner.record_sampled(rows, outs[-1])  # the next decode's inputs, on the device
+            outs.append(self._decode(rs, seqs, step))
+        drafted = torch.stack(outs, dim=1).tolist()  # the step's one host sync
         drafts: dict[str, list[int]] = {}
-        if live:
-            tokens = self._catch_up([r for r, _ in live])
-            for (r, _), t in zip(live, tokens):
-                drafts[r.rid] = [t]
-            for step in range(1, max(k for _, k in live)):
-                going = [r for r, k in live if k > step and len(drafts[r.rid]) == step]
-                if not going:
-                    break
-                for r, t in zip(going, self._decode(going, [drafts[r.rid][-1] for r in going])):
-                    drafts[r.rid].append(t)
+        for (r, k), s, d in zip(live, seqs, drafted):
+            s.tokens.extend(d[: steps - 1])  # the decode steps' inputs now have K/V
+            drafts[r.rid] = d[:k]
         return [drafts.get(r.rid, []) for r in reqs]
 
     def release(self, req: Req) -> None:
-        seq = self.seqs.pop(req.rid, None)
-        if seq is not None:
-            self._truncate(seq, 0)
-            self.rt.req_to_token.free(seq.row)
+        if self.seqs.pop(req.rid, None) is not None:
+            self.cache.close(req.rid)
 
     # -- the draft cache ---------------------------------------------------------------------
 
     def _sync(self, r: Req) -> bool:
-        """Keep the K/V of the tokens the draft cache shares with `r.ids`, free the rest; reserve
-        room for catching up and drafting. False (no draft this step) when the cache is full."""
+        """Keep the K/V of the tokens the draft cache shares with `r.ids`, free the rest (at least
+        the last token is recomputed: its logits give the first draft). False (no draft this
+        step) when the draft's request table is full."""
         seq = self.seqs.get(r.rid)
         if seq is None:
-            row = self.rt.req_to_token.alloc()
+            row = self.cache.open(r.rid)
             if row is None:
                 return False
             seq = self.seqs[r.rid] = _DraftSeq(row)
-        common = 0
-        for a, b in zip(seq.tokens, r.ids):
+        common = seq.confirmed
+        for a, b in zip(seq.tokens[common:], r.ids[common:]):
             if a != b:
                 break
             common += 1
-        self._truncate(seq, min(common, len(r.ids) - 1))
+        keep = min(common, len(r.ids) - 1)
+        self.cache.truncate(seq.cache, keep)
+        del seq.tokens[keep:]
+        seq.confirmed = keep
         return True
 
-    def _truncate(self, seq: _DraftSeq, n: int) -> None:
-        if len(seq.tokens) > n:
-            table = self.rt.req_to_token
-            self.rt.allocator.free(table.slots(seq.row, n, len(seq.tokens)))
-            table.clear(seq.row, n, len(seq.tokens))
-            del seq.tokens[n:]
-
-    def _alloc(self, seq: _DraftSeq, tokens: list[int]) -> torch.Tensor | None:
-        slots = self.rt.allocator.alloc(len(tokens))
-        if slots is not None:
-            self.rt.req_to_token.write(seq.row, len(seq.tokens), slots)
-            seq.tokens.extend(tokens)
-        return slots
-
-    def _evict(self, seqs: list[_DraftSeq]) -> None:
-        ev = self.rt.evictor
-        if ev is None:
-            return
-        new = ev.evict_many([(s.row, len(s.tokens), s.swa_evicted) for s in seqs])
-        for s, e in zip(seqs, new):
-            s.swa_evicted = e
-
-    def _catch_up(self, reqs: list[Req]) -> list[int]:
-        """One extend forward over each sequence's tokens the draft has not seen; its first draft."""
-        ids, pos, rows, seq_lens, prefix, ext, locs = [], [], [], [], [], [], []
-        for r in reqs:
-            seq = self.seqs[r.rid]
-            new = r.ids[len(seq.tokens):]
-            start = len(seq.tokens)
-            slots = self._alloc(seq, new)
-            if slots is None:
-                raise RuntimeError("the draft model's KV cache is full")  # sized for max_running x context
-            ids += new
-            pos += range(start, start + len(new))
-            rows.append(seq.row)
-            prefix.append(start)
-            ext.append(len(new))
-            seq_lens.append(start + len(new))
-            locs.append(slots)
-        batch = ForwardBatch.build(ForwardMode.EXTEND, ids, pos, rows, seq_lens, torch.cat(locs), self.rt.runner.device,
-                                   extend_prefix_lens=prefix, extend_seq_lens=ext)
-        out = self.rt.runner.greedy_tokens(self.rt.runner.forward_hidden(batch)).tolist()
-        self._evict([self.seqs[r.rid] for r in reqs])  # every query up to the confirmed tokens has run
+    def _catch_up(self, reqs: list[Req], seqs: list[_DraftSeq]) -> torch.Tensor:
+        """One extend forward over each sequence's tokens the draft has not seen: `[n]` int64 on
+        the device, each sequence's first draft."""
+        news = [r.ids[len(s.tokens):] for r, s in zip(reqs, seqs)]
+        positions = [list(range(len(s.tokens), len(r.ids))) for r, s in zip(reqs, seqs)]
+        batch = self.cache.batch(ForwardMode.EXTEND, [s.cache for s in seqs], news, positions)
+        for s, new in zip(seqs, news):
+            s.tokens.extend(new)
+        out = self.rt.runner.greedy_tokens(self.rt.runner.forward_hidden(batch))
+        self.cache.evict([s.cache for s in seqs])  # every query up to the confirmed tokens has run
         return out
 
-    def _decode(self, reqs: list[Req], inputs: list[int]) -> list[int]:
-        seqs = [self.seqs[r.rid] for r in reqs]
-        prefix = [len(s.tokens) for s in seqs]
-        locs = [self._alloc(s, [t]) for s, t in zip(seqs, inputs)]
-        if any(slot is None for slot in locs):
-            raise RuntimeError("the draft model's KV cache is full")
-        batch = ForwardBatch.build(ForwardMode.DECODE, inputs, prefix, [s.row for s in seqs],
-                                   [p + 1 for p in prefix], torch.cat(locs), self.rt.runner.device)  # type: ignore[arg-type]
-        return self.rt.runner.greedy_tokens(self.rt.runner.forward_hidden(batch)).tolist()
+    def _decode(self, reqs: list[Req], seqs: list[_DraftSeq], step: int) -> torch.Tensor:
+        """Draft decode `step` (1..k-1): inputs from the last-token table; `[n]` int64, device."""
+        positions = [[len(r.ids) + step - 1] for r in reqs]
+        batch = self.cache.batch(ForwardMode.DECODE, [s.cache for s in seqs], None, positions)
+        return self.rt.runner.greedy_tokens(self.rt.runner.forward_hidden(batch))
 
     def check_integrity(self) -> None:
         """The draft pools hold exactly the tracked sequences' tokens."""
-        owned = [self.rt.req_to_token.slots(s.row, 0, len(s.tokens)) for s in self.seqs.values()]
-        self.rt.allocator.check_integrity(torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64))
-        self.rt.req_to_token.check_integrity()
-        assert all(self.rt.req_to_token.clear_from(s.row, len(s.tokens)) for s in self.seqs.values())
+        self.cache.check_integrity()
+        assert all(s.cache.length == len(s.tokens) for s in self.seqs.values())
