@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from swaserve.request import SamplingParams
@@ -71,3 +72,30 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert d.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
     assert d.lookup([7, 7, 7, 7], 2) == [7]  # what follows the latest earlier "7 7 7"
     assert NgramDrafter(2, 3).lookup([1, 2, 9, 2], 2) == []  # a 1-gram match is below min_n
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ngram_index_answers_as_the_scan_while_sequences_grow(seed):
+    """The per-request index (updated with a few tokens a step, as decoding appends them) proposes
+    exactly what the reference scan does, over small vocabularies (many matches, repeats), with a
+    lookback shorter than the sequence; releasing a request drops its index."""
+    import random
+
+    from swaserve.speculative.ngram import NgramIndex
+
+    rng = random.Random(seed)
+    d = NgramDrafter(min_n=1 + seed % 2, max_n=4, lookback=40)
+
+    class R:
+        rid, ids = "a", [rng.randrange(6) for _ in range(5)]
+
+    checked = 0
+    for _ in range(150):
+        k = rng.randrange(1, 6)
+        got = d.propose([R], [k])[0]
+        assert got == d.lookup(R.ids, k), (R.ids, k)
+        checked += bool(got)
+        R.ids += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+    assert checked > 50 and isinstance(d.index["a"], NgramIndex)
+    d.release(R)
+    assert not d.index
