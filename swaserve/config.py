@@ -261,12 +261,14 @@ class SpeculativeConfig:
     speculative_method: str | None = _opt(
         None, "drafter: ngram (lookup in the request's own tokens), draft (a smaller model with the same "
         "tokenizer), eagle3 (an EAGLE-3 head over three target layers) or mtp (a multi-token-prediction "
-        "drafter: Gemma 4's assistant, which reads the target's KV cache); default: off",
+        "drafter: Gemma 4's assistant, which reads the target's KV cache, or MiMo-V2-Flash's own MTP layer); "
+        "default: off",
         choices=SPECULATIVE_METHODS)
     speculative_num_tokens: int = _opt(4, "tokens drafted per request per step (K)")
     speculative_draft_model: str | None = _opt(
         None, "draft model for --speculative-method draft (GGUF file or HF directory; default: the embedded "
-        "model), eagle3 (the EAGLE-3 head's HF directory) or mtp (the assistant's HF directory)")
+        "model), eagle3 (the EAGLE-3 head's HF directory) or mtp (the assistant's HF directory; none for "
+        "MiMo-V2-Flash, whose checkpoint holds its MTP layers)")
     speculative_ngram_max: int = _opt(4, "longest suffix n-gram the ngram drafter looks up")
     speculative_ngram_min: int = _opt(1, "shortest suffix n-gram the ngram drafter looks up")
     speculative_max_batch_size: int = _opt(

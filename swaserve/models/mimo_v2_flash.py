@@ -3,7 +3,7 @@
 sliding layers with twice the K/V heads of full layers and learned sinks, partial rotary (the first
 third of each head) with a θ per layer type, a dense first layer and routed-expert layers after it
 (sigmoid router, grouped top-k, no shared experts). The checkpoint's MTP layers (`model.mtp.*`) are
-skipped: speculative decoding does not use them yet.
+skipped here: the MTP drafter (`speculative/mimo_mtp.py`) loads them itself.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Speculative decoding: drafters propose tokens (`ngram`, `draft_model`, `eagle3`, `frozen_kv`), the
+"""Speculative decoding: drafters propose tokens (`ngram`, `draft_model`, `eagle3`, `frozen_kv`, `mimo_mtp`), the
 target verifies them in one extend-shaped forward and `verify` decides what is accepted (lossless for
 greedy and sampling)."""
 
@@ -30,6 +30,13 @@ def build_drafter(cfg: SpeculativeConfig, target: ModelConfig, device: torch.dev
 
         return Eagle3Drafter.build(cfg, target, device, dtype, sched, load_format)
     if cfg.speculative_method == "mtp":
+        if cfg.speculative_draft_model is None:
+            if getattr(target.hf_config, "model_type", None) != "mimo_v2_flash":
+                raise ValueError("speculative_method 'mtp' needs a target whose checkpoint has MTP layers "
+                                 "(MiMo-V2-Flash) or speculative_draft_model (a gemma4_assistant directory)")
+            from swaserve.speculative.mimo_mtp import MiMoMTPDrafter
+
+            return MiMoMTPDrafter.build(cfg, target, device, dtype, sched, load_format)
         from swaserve.speculative.frozen_kv import FrozenKVDrafter
 
         return FrozenKVDrafter.build(cfg, target, device, dtype, sched, load_format)

@@ -1,0 +1,180 @@
+"""MiMo-V2-Flash's MTP layer drafting for its tiny random target (MTP weights written into the target's
+safetensors under the released names): every proposal equals a plain-torch reference of the layer fed
+the target's final states from HF transformers; greedy tokens identical to plain decoding (batched,
+prompts crossing the window, prefill chunked); pools (target and MTP) empty at the end; a checkpoint
+without MTP layers, or a target that has none, is refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from families import make_hf_model
+from safetensors.torch import load_file, save_file
+from scheduled import greedy_tokens
+
+from swaserve.engine import Engine
+
+OPTIONS = {"max_prefill_tokens": 16, "max_running_requests": 4, "max_context": 160, "kv_cache_bytes": 4 << 20}
+
+
+def add_mtp_weights(target_dir, cfg, layers: int = 2, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Random `model.mtp.layers.{i}.*` tensors (sliding-layer attention shape, dense MLP) appended to
+    the target's model.safetensors; each layer's weights by short name."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.15):
+        return scale * torch.randn(*shape, generator=g)
+
+    H, heads, kv, d, dv, inter = cfg.hidden_size, cfg.num_attention_heads, 2 * cfg.num_key_value_heads, \
+        cfg.head_dim, cfg.v_head_dim, cfg.intermediate_size
+    path = target_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    out = []
+    for i in range(layers):
+        w = {"enorm.weight": 1 + rnd(H), "hnorm.weight": 1 + rnd(H), "eh_proj.weight": rnd(H, 2 * H),
+             "input_layernorm.weight": 1 + rnd(H), "self_attn.q_proj.weight": rnd(heads * d, H),
+             "self_attn.k_proj.weight": rnd(kv * d, H), "self_attn.v_proj.weight": rnd(kv * dv, H),
+             "self_attn.o_proj.weight": rnd(H, heads * dv), "self_attn.attention_sink_bias": rnd(heads, scale=0.5),
+             "pre_mlp_layernorm.weight": 1 + rnd(H), "mlp.gate_proj.weight": rnd(inter, H),
+             "mlp.up_proj.weight": rnd(inter, H), "mlp.down_proj.weight": rnd(H, inter),
+             "final_layernorm.weight": 1 + rnd(H)}
+        tensors.update({f"model.mtp.layers.{i}.{k}": v for k, v in w.items()})
+        out.append(w)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    return out
+
+
+# -- a plain-torch reference of the MTP layer ---------------------------------------------------------
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, rot: int, theta: float):  # x [n, heads, d]: rotate-half on the first `rot` dims only
+    f = pos[:, None].float() * (1.0 / theta ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = torch.cat([f.cos(), f.cos()], -1)[:, None], torch.cat([f.sin(), f.sin()], -1)[:, None]
+    r, rest = x[..., :rot], x[..., rot:]
+    return torch.cat([r * cos + torch.cat([-r[..., rot // 2:], r[..., : rot // 2]], -1) * sin, rest], -1)
+
+
+def reference_drafts(cfg, w, embed, head, states, next_ids, base: int, k: int) -> list[int]:
+    """Entries at positions base.. from (states[j], embed[next_ids[j]]); then k - 1 chained steps on the
+    layer's own (final-normed) output. Sliding window W with learned sinks, V scaled, partial rope."""
+    eps, W = cfg.rms_norm_eps, cfg.sliding_window
+    heads, kv, d, dv = cfg.num_attention_heads, 2 * cfg.num_key_value_heads, cfg.head_dim, cfg.v_head_dim
+    rope = cfg.rope_parameters["sliding_attention"]
+    rot = int(d * rope["partial_rotary_factor"])
+    keys, vals, kpos = [], [], []
+
+    def layer(e, g, pos):  # e, g [n, H] -> final-normed out [n, H]; K/V appended
+        h = torch.cat([_rms(e, w["enorm.weight"], eps), _rms(g, w["hnorm.weight"], eps)], -1) @ w["eh_proj.weight"].T
+        x = _rms(h, w["input_layernorm.weight"], eps)
+        q = _rope((x @ w["self_attn.q_proj.weight"].T).view(len(x), heads, d), pos, rot, rope["rope_theta"])
+        keys.append(_rope((x @ w["self_attn.k_proj.weight"].T).view(len(x), kv, d), pos, rot, rope["rope_theta"]))
+        vals.append((x @ w["self_attn.v_proj.weight"].T).view(len(x), kv, dv) * cfg.attention_value_scale)
+        kpos.append(pos)
+        K = torch.cat(keys).repeat_interleave(heads // kv, 1)
+        V = torch.cat(vals).repeat_interleave(heads // kv, 1)
+        P = torch.cat(kpos)
+        s = torch.einsum("qhd,khd->hqk", q, K) * d**-0.5
+        seen = (P[None, :] <= pos[:, None]) & (P[None, :] > pos[:, None] - W)  # W keys including itself
+        s = s.masked_fill(~seen, float("-inf"))
+        sink = w["self_attn.attention_sink_bias"][:, None, None].expand(heads, len(x), 1)
+        p = torch.cat([s, sink], -1).softmax(-1)[..., :-1]
+        o = torch.einsum("hqk,khd->qhd", p, V).reshape(len(x), heads * dv) @ w["self_attn.o_proj.weight"].T
+        h = h + o
+        m = _rms(h, w["pre_mlp_layernorm.weight"], eps)
+        h = h + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+        return _rms(h, w["final_layernorm.weight"], eps)
+
+    def token(out):
+        return int((out @ head.T).argmax())
+
+    n = len(next_ids)
+    out = layer(embed[next_ids], states, torch.arange(base, base + n))[-1:]
+    drafts = [token(out)]
+    for s in range(1, k):
+        out = layer(embed[drafts[-1:]], out, torch.tensor([base + n - 1 + s]))
+        drafts.append(token(out))
+    return drafts
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    motif = torch.randint(1, vocab, (7,), generator=g).tolist()
+    return [motif * 5, torch.randint(1, vocab, (30,), generator=g).tolist(), motif[:3] * 4]
+
+
+def test_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path):
+    target_dir = tmp_path / "target"
+    hf = make_hf_model("mimo_v2_flash", target_dir)
+    cfg = hf.config
+    layers = add_mtp_weights(target_dir, cfg)
+    prompts = prompts_for(cfg.vocab_size)
+    assert max(map(len, prompts)) > 3 * cfg.sliding_window
+    plain_engine = Engine(str(target_dir), device="cpu", dtype="float32", **OPTIONS)
+    plain = greedy_tokens(plain_engine, prompts, 20, plain_engine.check_integrity)
+
+    engine = Engine(str(target_dir), device="cpu", dtype="float32", **OPTIONS, speculative_method="mtp",
+                    speculative_num_tokens=3)
+    drafter = engine.scheduler.speculation.drafter
+    assert type(drafter).__name__ == "MiMoMTPDrafter"
+    assert drafter.rt.evictor is not None, "the MTP layer slides: its runtime frees out-of-window slots"
+    records = []
+    propose = drafter.propose
+
+    def spy(reqs, ks):
+        """Record the proposals; hand the target the first a = (call number) % (k + 1) true tokens in
+        front of the rest, so verify steps accept 0..k drafts and the layer's cache follows them."""
+        out = propose(reqs, ks)
+        records.extend((list(r.ids), drafter.seqs[r.rid].base, d) for r, d in zip(reqs, out) if d)
+        a = len(records) % 4
+        truth = [plain[r.group_id][len(r.ids) - r.prompt_len:] for r in reqs]
+        return [(t[:a] + d[a:])[: len(d)] if d else d for t, d in zip(truth, out)]
+
+    drafter.propose = spy
+
+    def check():
+        engine.check_integrity()
+        drafter.cache.check_integrity()
+
+    for _ in range(2):
+        assert greedy_tokens(engine, prompts, 20, check) == plain
+    assert not drafter.seqs and not drafter.cache.rows, "the drafter forgets finished sequences"
+    stats = engine.memory_stats()
+    assert stats["full_tokens_used"] == 0 and stats["swa_tokens_used"] == 0
+    drafter.cache.check_integrity()  # no rows left: the MTP layer's pools own no slot
+    c = engine.counters()
+    assert c["spec_draft_tokens_total"] == sum(len(d) for _, _, d in records) > 60
+    assert c["spec_accepted_tokens_total"] > 60
+
+    embed = hf.model.embed_tokens.weight.detach()
+    head = hf.lm_head.weight.detach()
+    agree = 0
+    with torch.no_grad():
+        for ids, base, drafts in records:
+            states = hf.model(torch.tensor([ids[:-1]])).last_hidden_state[0][base:]
+            ref = reference_drafts(cfg, layers[0], embed, head, states, ids[base + 1:], base, len(drafts))
+            agree += ref == drafts
+    assert agree == len(records), f"{agree}/{len(records)} proposals equal the reference"
+    # The reference with layer 1's weights disagrees somewhere: the drafter reads layer 0 only.
+    ids, base, drafts = max(records, key=lambda r: len(r[0]))
+    with torch.no_grad():
+        states = hf.model(torch.tensor([ids[:-1]])).last_hidden_state[0][base:]
+    alt = [reference_drafts(cfg, layers[1], embed, head, states[: j + 1], ids[base + 1 : base + j + 2], base, 3)
+           for j in range(len(states))]
+    own = [reference_drafts(cfg, layers[0], embed, head, states[: j + 1], ids[base + 1 : base + j + 2], base, 3)
+           for j in range(len(states))]
+    assert alt != own
+
+
+def test_mtp_without_mtp_layers_is_refused(tmp_path):
+    target_dir = tmp_path / "target"
+    make_hf_model("mimo_v2_flash", target_dir)  # no model.mtp.* tensors
+    with pytest.raises(ValueError, match="has no MTP layers"):
+        Engine(str(target_dir), device="cpu", dtype="float32", **OPTIONS, speculative_method="mtp")
+    llama_dir = tmp_path / "llama"
+    make_hf_model("llama", llama_dir)
+    with pytest.raises(ValueError, match="needs a target whose checkpoint has MTP layers"):
+        Engine(str(llama_dir), device="cpu", dtype="float32", **OPTIONS, speculative_method="mtp")
