@@ -83,9 +83,12 @@ class MiMoMTPDrafter:
         return cls(build_runtime(config, head, device, dtype, cache, sched, runner), head)
 
     def attach(self, rt: Runtime) -> None:
-        """Share the target's token embedding and LM head with the MTP layer."""
+        """Share the target's token embedding and LM head with the MTP layer; free its out-of-window
+        SWA slots in the target's chunks (`swa_evict_chunk`)."""
         target = rt.runner.model
         self.head.share_target(target.model.embed_tokens, target.lm_head)
+        if rt.evictor is not None and self.rt.evictor is not None:
+            self.rt.evictor.chunk = rt.evictor.chunk
 
     # -- the drafter interface ---------------------------------------------------------------
 

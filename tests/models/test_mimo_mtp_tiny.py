@@ -15,7 +15,9 @@ from scheduled import greedy_tokens
 
 from swaserve.engine import Engine
 
-OPTIONS = {"max_prefill_tokens": 16, "max_running_requests": 4, "max_context": 160, "kv_cache_bytes": 4 << 20}
+# Out-of-window SWA slots are freed 4 at a time (the MTP layer's cache follows the target's chunk).
+OPTIONS = {"max_prefill_tokens": 16, "max_running_requests": 4, "max_context": 160, "kv_cache_bytes": 4 << 20,
+           "swa_evict_chunk": 4}
 
 
 def add_mtp_weights(target_dir, cfg, layers: int = 2, seed: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -135,9 +137,13 @@ def test_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path):
 
     drafter.propose = spy
 
+    alloc = drafter.rt.allocator
+    evicted = []
+
     def check():
         engine.check_integrity()
         drafter.cache.check_integrity()
+        evicted.append(alloc.full.used() - alloc.swa.used())  # SWA slots freed, full ones kept
 
     for _ in range(2):
         assert greedy_tokens(engine, prompts, 20, check) == plain
@@ -145,9 +151,14 @@ def test_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path):
     stats = engine.memory_stats()
     assert stats["full_tokens_used"] == 0 and stats["swa_tokens_used"] == 0
     drafter.cache.check_integrity()  # no rows left: the MTP layer's pools own no slot
+    assert alloc.full.used() == alloc.swa.used() == 0
+    assert max(evicted) > 0, "the MTP layer's out-of-window SWA slots were freed"
     c = engine.counters()
     assert c["spec_draft_tokens_total"] == sum(len(d) for _, _, d in records) > 60
     assert c["spec_accepted_tokens_total"] > 60
+    print(f"{len(records)} proposals, {sum(b > 0 for _, b, _ in records)} after a prefix-cache hit, "
+          f"up to {max(evicted)} SWA slots of the MTP layer evicted; {c['spec_draft_tokens_total']} drafted, "
+          f"{c['spec_accepted_tokens_total']} accepted")
 
     embed = hf.model.embed_tokens.weight.detach()
     head = hf.lm_head.weight.detach()
