@@ -17,7 +17,7 @@ from swaserve.layers.activation import get_activation
 from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import VocabEmbedding
 from swaserve.layers.mlp import GatedMLP
-from swaserve.layers.moe import NormRouter, StackedExperts
+from swaserve.layers.moe import NormRouter, StackedExperts, routed_rows
 from swaserve.layers.norm import RMSNorm, add_norm
 from swaserve.models.base import CausalLM, keep_aux_hidden
 
@@ -42,18 +42,7 @@ class Gemma4MoE(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         weights, ids = self.router(h)
-        return self.experts(self.pre_feedforward_layernorm_2(h), weights, ids, _routed_rows(batch, h))
-
-
-def _routed_rows(batch: ForwardBatch, h: torch.Tensor) -> torch.Tensor | None:
-    """`[bs]` bool, once per forward (shared by every MoE layer): False for the padded rows of a
-    replayed decode graph, which point at request row 0 and must route nothing. None elsewhere (an
-    extend batch has no padding; the CPU reference path needs no mask)."""
-    if not (batch.is_decode and h.is_cuda):
-        return None
-    if "moe_routed_rows" not in batch.scratch:
-        batch.scratch["moe_routed_rows"] = batch.req_pool_indices != 0
-    return batch.scratch["moe_routed_rows"]
+        return self.experts(self.pre_feedforward_layernorm_2(h), weights, ids, routed_rows(batch, h))
 
 
 class Gemma4DecoderLayer(nn.Module):

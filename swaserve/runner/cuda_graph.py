@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -13,6 +14,32 @@ if TYPE_CHECKING:
     from swaserve.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@torch.inference_mode()
+def capture_per_size(sizes: list[int], run_once: Callable[[int], T], device: torch.device,
+                     ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, T]]:
+    """One CUDA graph of `run_once(bs)` per size, and what each capture returned (its output
+    tensors, which live in the graphs' memory pool). Captured on a side stream after two warm-ups,
+    largest size first so the smaller graphs reuse the blocks of the largest one's pool."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, T] = {}
+    pool = None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # weights and pools are ready
+    for bs in sorted(sizes, reverse=True):
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run_once(bs)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[bs] = run_once(bs)
+        pool = graph.pool() if pool is None else pool
+        graphs[bs] = graph
+    torch.cuda.synchronize(device)
+    return graphs, outputs
 
 
 class CudaGraphRunner(DecodeGraphRunner):
@@ -41,22 +68,10 @@ class CudaGraphRunner(DecodeGraphRunner):
         self.backend.init_forward_metadata_graph(fb)
         return self.model(fb), fb.scratch.get("aux_hidden")  # [bs, hidden]: one token per request
 
-    @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))  # weights and pools are ready
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._run_once(bs)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs], self.aux_outputs[bs] = self._run_once(bs)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.runner.device)
+        self.graphs, outs = capture_per_size(self.sizes, self._run_once, self.runner.device)
+        for bs, (hidden, aux) in outs.items():
+            self.outputs[bs], self.aux_outputs[bs] = hidden, aux
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -118,21 +118,8 @@ class VerifyGraphRunner:
         self.backend.init_forward_metadata_strided(fb, self.q, self.prefix_lens[:bs], self.qo_indptr[: bs + 1])
         return self.model(fb), fb.scratch.get("aux_hidden")
 
-    @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
-        dev = self.runner.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._run_once(bs)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs] = self._run_once(bs)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(dev)
+        from swaserve.runner.cuda_graph import capture_per_size
+
+        self.graphs, self.outputs = capture_per_size(self.sizes, self._run_once, self.runner.device)
         log.info("captured verify CUDA graphs (%d tokens per request) for batch sizes %s", self.q, self.sizes)
