@@ -127,6 +127,8 @@ class Engine:
                 self.launcher.set_observer(drafter)
             k = spec_cfg.speculative_num_tokens
             start_runner(rt, runner_cfg, sched_cfg, verify=(spec_cfg.speculative_max_batch_size, k + 1))
+            if hasattr(drafter, "start"):  # after the target's graphs: e.g. the drafter's own graphs
+                drafter.start(rt)
             self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
                                                      spec_cfg.speculative_max_batch_size)
         self.stats = EngineStats()

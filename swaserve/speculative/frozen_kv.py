@@ -1,7 +1,9 @@
 """FrozenKVDrafter: Gemma 4's assistant (`gemma4_assistant`) drafting over the target's own KV cache. It
 stores no K/V: every assistant layer reads the target's last full-attention or last sliding layer
 through the target's request table (SWA space for the sliding one), as a decode-shaped forward with
-one query per request at position len(ids) - 1 and keys [0, len(ids) - 1), the same for all K steps."""
+one query per request at position len(ids) - 1 and keys [0, len(ids) - 1), the same for all K steps.
+On a GPU whose target decodes in CUDA graphs the K-step chain replays one graph per batch size
+(`frozen_kv_graph.FrozenKVGraphRunner`); larger batches run eagerly."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     from swaserve.models.gemma4_assistant import Gemma4Assistant
     from swaserve.runtime import Runtime
     from swaserve.scheduler.req import Req
+    from swaserve.speculative.frozen_kv_graph import FrozenKVGraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +35,11 @@ class FrozenKVDrafter:
     sliding layers read still has an SWA slot (the SWA eviction margin is raised to 2 on attach, so
     the (W+1)-th key survives; a prefix-cache hit can still lack it for a step)."""
 
-    def __init__(self, model: Gemma4Assistant, device: torch.device):
+    def __init__(self, model: Gemma4Assistant, device: torch.device, graph_bs: int = 0, steps: int = 0):
         self.model = model
         self.device = device
+        self.graph_bs, self.steps = graph_bs, steps  # graphs for batches <= graph_bs of `steps` drafts
+        self.graphs: FrozenKVGraphRunner | None = None
         self.rt: Runtime | None = None
         self.backend = None
         self.embed = None  # the target's (scaled) token embedding
@@ -68,7 +73,8 @@ class FrozenKVDrafter:
             from swaserve.loader.safetensors import iter_safetensors
 
             model.load_weights(iter_safetensors(path))
-        return cls(model, device)
+        return cls(model, device, min(cfg.speculative_max_batch_size, sched.max_running_requests),
+                   cfg.speculative_num_tokens)
 
     def attach(self, rt: Runtime) -> None:
         from swaserve.attention.torch_native import TorchNativeAttnBackend
@@ -92,6 +98,18 @@ class FrozenKVDrafter:
                 log.info("mtp drafter: SWA eviction margin raised from %d to %d", ev.margin, need)
                 ev.margin = need
 
+    def start(self, rt: Runtime) -> None:
+        """After `start_runner` (the engine calls it once the target's graphs are captured; at `attach`
+        it is not yet known whether they will be): capture the drafting chain in CUDA graphs where the
+        target decodes in them, on CUDA with the (non-deterministic) triton backend."""
+        from swaserve.attention.triton import TritonAttnBackend
+        from swaserve.speculative.frozen_kv_graph import FrozenKVGraphRunner
+
+        backend = self.backend
+        if (self.device.type == "cuda" and rt.runner.graph_runner is not None and self.graph_bs > 0
+                and self.steps > 0 and isinstance(backend, TritonAttnBackend) and not backend.deterministic):
+            self.graphs = FrozenKVGraphRunner(self, self.graph_bs, self.steps)
+
     # -- the drafter interface ---------------------------------------------------------------
 
     @torch.inference_mode()
@@ -113,24 +131,33 @@ class FrozenKVDrafter:
         rows = [reqs[i].row for i in live]
         kv = [reqs[i].kv_len for i in live]
         assert all(reqs[i].kv_len == len(reqs[i].ids) - 1 for i in live), "speculation runs without overlap"
-        # One query per request at position len(ids) - 1 over keys [0, len(ids) - 1); nothing is stored,
-        # so the write slots are the reserved slot 0.
-        nowhere = torch.zeros(len(live), dtype=torch.int64)
-        batch = ForwardBatch.build(ForwardMode.DECODE, None, kv, rows, kv, nowhere,  # type: ignore[arg-type]
-                                   self.device)
-        batch.attn_backend = self.backend
-        self.backend.init_forward_metadata(batch)  # type: ignore[union-attr]
-        token = to_device(torch.tensor([reqs[i].ids[-1] for i in live], dtype=torch.int64), self.device)
-        hidden = self.states[batch.req_pool_indices]
-        drafted = []
-        for _ in range(max(ks[i] for i in live)):
-            hidden, token = self.model(torch.cat([self.embed(token), hidden], dim=-1), batch)
-            drafted.append(token)
-        out = torch.stack(drafted, dim=1).tolist()
+        tokens, steps = [reqs[i].ids[-1] for i in live], max(ks[i] for i in live)
+        if self.graphs is not None and self.graphs.can_run(len(live), steps):
+            out = self.graphs.run(rows, kv, tokens).tolist()  # one host sync, as the eager chain
+        else:
+            out = self._chain(rows, kv, tokens, steps)
         drafts: list[list[int]] = [[] for _ in reqs]
         for i, d in zip(live, out):
             drafts[i] = d[: ks[i]]
         return drafts
+
+    def _chain(self, rows: list[int], kv: list[int], tokens: list[int], steps: int) -> list[list[int]]:
+        """The eager K-step chain over the live rows only: `steps` tokens per row."""
+        assert self.states is not None and self.embed is not None
+        # One query per request at position len(ids) - 1 over keys [0, len(ids) - 1); nothing is stored,
+        # so the write slots are the reserved slot 0.
+        nowhere = torch.zeros(len(rows), dtype=torch.int64)
+        batch = ForwardBatch.build(ForwardMode.DECODE, None, kv, rows, kv, nowhere,  # type: ignore[arg-type]
+                                   self.device)
+        batch.attn_backend = self.backend
+        self.backend.init_forward_metadata(batch)  # type: ignore[union-attr]
+        token = to_device(torch.tensor(tokens, dtype=torch.int64), self.device)
+        hidden = self.states[batch.req_pool_indices]
+        drafted = []
+        for _ in range(steps):
+            hidden, token = self.model(torch.cat([self.embed(token), hidden], dim=-1), batch)
+            drafted.append(token)
+        return torch.stack(drafted, dim=1).tolist()
 
     def release(self, req: Req) -> None:
         """Nothing to drop: a row's state is overwritten by the next request's prefill before it drafts."""
