@@ -6,53 +6,39 @@ extend forward), then chains k - 1 decode steps on its own pre-norm output."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from swaserve.models.llama_eagle3 import AUX_INPUT, EAGLE3_ARCHITECTURES, HIDDEN_INPUT, PRENORM, Eagle3Head
-from swaserve.runner.forward_batch import ForwardMode
-from swaserve.speculative.draft_cache import DraftCache, DraftRow
-from swaserve.speculative.verify import speculates
+from swaserve.speculative.state_head import StateHeadDrafter, head_runtime
 
 if TYPE_CHECKING:
     from swaserve.config import ModelConfig, SchedulerConfig, SpeculativeConfig
+    from swaserve.runner.forward_batch import ForwardBatch
     from swaserve.runtime import Runtime
-    from swaserve.scheduler.req import Req
 
-# Target states waiting for the token after them are folded into the head's cache once this many
-# are ready (a prefill chunk, or decode steps while speculation is off for a large batch), so what a
-# sequence holds back stays small.
-FLUSH_ROWS = 16
+class Eagle3Drafter(StateHeadDrafter):
+    """Owns the head's runtime and one state sequence per speculating request (`StateHeadDrafter`);
+    the head reads the target's auxiliary states (3 x hidden) and chains on its pre-norm output."""
 
-
-@dataclass
-class _HeadSeq:
-    cache: DraftRow  # entry j holds the K/V of sequence position base + j
-    base: int  # the first position the target's states were seen for (> 0 after a prefix-cache hit)
-    exact: int = 0  # entries [0, exact) come from the target's states; later ones from the last drafts
-    pending: list[torch.Tensor] = field(default_factory=list)  # [n_i, 3 * target hidden] of positions base + exact ..
-    num_pending: int = 0
-
-
-class Eagle3Drafter:
-    """Owns the head's runtime and one `_HeadSeq` per speculating request. Invariants: for a tracked
-    request, `base + exact + num_pending` is the number of positions the target has shown states for,
-    and entry j < exact of its row holds K/V of (state at base + j, embedding of ids[base + j + 1])."""
+    name = "the EAGLE-3 head"
+    extend_key, chain_key = AUX_INPUT, HIDDEN_INPUT
 
     def __init__(self, rt: Runtime, head: Eagle3Head, layers: tuple[int, ...]):
-        self.rt, self.head, self.layers = rt, head, layers
-        self.cache = DraftCache(rt)
-        self.seqs: dict[str, _HeadSeq] = {}
+        super().__init__(rt, head, head.fc.in_features)
+        self.layers = layers
+
+    def chain_states(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        prenorm = batch.scratch[PRENORM]
+        return prenorm if batch.is_decode else prenorm[batch.last_token_indices()]
 
     @classmethod
     def build(cls, cfg: SpeculativeConfig, target: ModelConfig, device: torch.device, dtype: torch.dtype,
               target_sched: SchedulerConfig, load_format: str) -> Eagle3Drafter:
-        from swaserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+        from swaserve.config import ModelConfig
         from swaserve.loader.hf_dir import load_hf_config
-        from swaserve.runtime import build_runtime
 
         path = cfg.speculative_draft_model
         if path is None:
@@ -89,16 +75,10 @@ class Eagle3Drafter:
         else:
             head.load_weights(weights.items())
         config = ModelConfig.from_hf(hf, max_context=target.max_context)
-        sched = SchedulerConfig(max_running_requests=target_sched.max_running_requests,
-                                max_prefill_tokens=target_sched.max_prefill_tokens, max_context=target.max_context)
         group = config.full_group
-        per_token = group.num_kv_heads * (group.k_head_dim + group.v_head_dim)
-        need = (sched.max_running_requests + 1) * target.max_context * per_token
-        budget = min((256 << 20) if device.type == "cpu" else (4 << 30), 2 * need * dtype.itemsize + (8 << 20))
-        cache = CacheConfig(kv_cache_bytes=budget, disable_prefix_cache=True)
-        # No decode graphs: a captured forward would freeze the state input it reads from the batch.
-        runner = RunnerConfig(disable_cuda_graph=True)
-        return cls(build_runtime(config, head, device, dtype, cache, sched, runner), head, layers)
+        rt = head_runtime(config, head, group.num_kv_heads, group.k_head_dim + group.v_head_dim, target,
+                          target_sched, device, dtype)
+        return cls(rt, head, layers)
 
     def attach(self, rt: Runtime) -> None:
         """Make the target keep the states of `layers` (before its decode graphs are captured) and, for
@@ -114,95 +94,6 @@ class Eagle3Drafter:
                 embed = VocabEmbedding(self.head.hf_config.vocab_size, self.head.hidden_size)
             embed.weight = stack.embed_tokens.weight
             self.head.embed_tokens = embed
-
-    # -- the drafter interface ---------------------------------------------------------------
-
-    def observe(self, reqs: list[Req], states: torch.Tensor, offsets: list[int], counts: list[int]) -> None:
-        """Keep the target's states of each speculating request's confirmed tokens; fold those whose
-        next token is known into the head's cache once FLUSH_ROWS are ready."""
-        assert states.shape[1] == self.head.fc.in_features, "the target keeps no auxiliary states (attach first)"
-        due = []
-        for r, off, n in zip(reqs, offsets, counts):
-            if n == 0 or not speculates(r.params):
-                continue
-            seq = self.seqs.get(r.rid)
-            if seq is None:  # its first step is a prefill chunk, whose K/V length counts it already
-                row = self.cache.open(r.rid)
-                if row is None:
-                    raise RuntimeError("the EAGLE-3 head's request table is full")  # sized like the target's
-                seq = self.seqs[r.rid] = _HeadSeq(row, base=r.kv_len - n)
-            seq.pending.append(states[off : off + n].clone())
-            seq.num_pending += n
-            if self._ready(seq, r) >= FLUSH_ROWS:
-                due.append(r)
-        if due:
-            self._extend(due)
-
-    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
-        live = []
-        for r, k in zip(reqs, ks):
-            seq = self.seqs.get(r.rid)
-            if k > 0 and seq is not None and self._ready(seq, r) > 0:
-                assert seq.base + seq.exact + seq.num_pending == len(r.ids) - 1, "states of every K/V position seen"
-                live.append((r, k))
-        drafts: dict[str, list[int]] = {}
-        if live:
-            hidden, g = self._extend([r for r, _ in live])
-            for (r, _), t in zip(live, self.rt.runner.greedy_tokens(hidden).tolist()):
-                drafts[r.rid] = [t]
-            for step in range(1, max(k for _, k in live)):
-                going = [(i, r) for i, (r, k) in enumerate(live) if k > step]
-                g, tokens = self._chain([r for _, r in going], [drafts[r.rid][-1] for _, r in going],
-                                        g[[i for i, _ in going]], step)
-                for (_, r), t in zip(going, tokens):
-                    drafts[r.rid].append(t)
-                live = [live[i] for i, _ in going]
-        return [drafts.get(r.rid, []) for r in reqs]
-
-    def release(self, req: Req) -> None:
-        if self.seqs.pop(req.rid, None) is not None:
-            self.cache.close(req.rid)
-
-    # -- the head's cache ----------------------------------------------------------------------
-
-    @staticmethod
-    def _ready(seq: _HeadSeq, r: Req) -> int:
-        """Pending positions whose next token is known (t + 1 < len(ids))."""
-        return max(0, min(seq.num_pending, len(r.ids) - 1 - seq.base - seq.exact))
-
-    def _extend(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One extend forward over each request's ready positions (the last drafts' entries dropped
-        first): the normed and pre-norm states `[len(reqs), hidden]` of each one's last position."""
-        rows, ids, positions, aux = [], [], [], []
-        for r in reqs:
-            seq = self.seqs[r.rid]
-            n = self._ready(seq, r)
-            self.cache.truncate(seq.cache, seq.exact)
-            states = torch.cat(seq.pending) if len(seq.pending) > 1 else seq.pending[0]
-            aux.append(states[:n])
-            seq.pending = [states[n:]] if n < seq.num_pending else []
-            seq.num_pending -= n
-            start = seq.base + seq.exact
-            rows.append(seq.cache)
-            ids.append(r.ids[start + 1 : start + n + 1])
-            positions.append(list(range(start, start + n)))
-            seq.exact += n
-        batch = self.cache.batch(ForwardMode.EXTEND, rows, ids, positions)
-        batch.scratch[AUX_INPUT] = torch.cat(aux)
-        hidden = self.rt.runner.forward_hidden(batch)
-        self.cache.evict(rows)
-        return hidden, batch.scratch[PRENORM][batch.last_token_indices()]
-
-    def _chain(self, reqs: list[Req], inputs: list[int], g: torch.Tensor, step: int) -> tuple[torch.Tensor, list[int]]:
-        """Draft step `step` >= 1: each request's previous draft `inputs[i]` at position len(ids) - 2 + step,
-        the head's own pre-norm state `g` standing in for the target's; (new pre-norm states, drafts)."""
-        seqs = [self.seqs[r.rid] for r in reqs]
-        positions = [[len(r.ids) - 2 + step] for r in reqs]
-        assert all(s.base + s.cache.length == p[0] for s, p in zip(seqs, positions))
-        batch = self.cache.batch(ForwardMode.DECODE, [s.cache for s in seqs], [[t] for t in inputs], positions)
-        batch.scratch[HIDDEN_INPUT] = g
-        hidden = self.rt.runner.forward_hidden(batch)
-        return batch.scratch[PRENORM], self.rt.runner.greedy_tokens(hidden).tolist()
 
 
 def aux_layers(hf: Any, num_layers: int) -> tuple[int, ...]:
