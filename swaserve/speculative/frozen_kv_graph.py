@@ -102,19 +102,8 @@ class FrozenKVGraphRunner:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
-        dev = self.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))  # the target's pools and weights are ready
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._run_once(bs)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs] = self._run_once(bs)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(dev)
+        from swaserve.runner.cuda_graph import capture_per_size
+
+        # After the target's pools and weights are ready (side stream, two warm-ups, largest first, one pool).
+        self.graphs, self.outputs = capture_per_size(self.sizes, self._run_once, self.device)
         log.info("captured frozen-KV drafter CUDA graphs (%d steps) for batch sizes %s", self.steps, self.sizes)
