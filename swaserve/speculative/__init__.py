@@ -1,6 +1,6 @@
-"""Speculative decoding: drafters propose tokens (`ngram`, `draft_model`, `eagle3`, `frozen_kv`, `mimo_mtp`), the
-target verifies them in one extend-shaped forward and `verify` decides what is accepted (lossless for
-greedy and sampling)."""
+"""Speculative decoding: drafters propose tokens (`ngram`, `draft_model`, `eagle3`, `frozen_kv`,
+`mimo_mtp`), the target verifies them in one extend-shaped forward and `verify` decides what is
+accepted (lossless for greedy and sampling)."""
 
 from __future__ import annotations
 
