@@ -3,7 +3,7 @@ MiMo-V2's MTP layer). The head's K/V entry at position t is computed from the ta
 the embedding of token t + 1, in its own cache (`DraftCache`). `observe` keeps the target's states of
 each request's confirmed tokens; each step the head catches up on the positions whose next token is
 now known (one extend forward), then chains k - 1 decode steps, its own output standing in for the
-target's state."""
+target's state; the drafted tokens stay on the device until the step's one host sync."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swaserve.h2d import to_device
 from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 from swaserve.speculative.draft_cache import DraftCache, DraftRow
 from swaserve.speculative.verify import speculates
@@ -103,18 +104,20 @@ class StateHeadDrafter:
             if k > 0 and seq is not None and self._ready(seq, r) > 0:
                 assert seq.base + seq.exact + seq.num_pending == len(r.ids) - 1, "states of every K/V position seen"
                 live.append((r, k))
-        drafts: dict[str, list[int]] = {}
-        if live:
-            hidden, g = self._extend([r for r, _ in live])
-            for (r, _), t in zip(live, self.rt.runner.greedy_tokens(hidden).tolist()):
-                drafts[r.rid] = [t]
-            for step in range(1, max(k for _, k in live)):
-                going = [(i, r) for i, (r, k) in enumerate(live) if k > step]
-                g, tokens = self._chain([r for _, r in going], [drafts[r.rid][-1] for _, r in going],
-                                        g[[i for i, _ in going]], step)
-                for (_, r), t in zip(going, tokens):
-                    drafts[r.rid].append(t)
-                live = [live[i] for i, _ in going]
+        if not live:
+            return [[] for _ in reqs]
+        rs = [r for r, _ in live]
+        seqs = [self.seqs[r.rid] for r in rs]
+        runner = self.rt.runner
+        hidden, g = self._extend(rs)
+        outs = [runner.greedy_tokens(hidden)]
+        rows = to_device(torch.tensor([s.cache.row for s in seqs], dtype=torch.int64), runner.device)
+        for step in range(1, max(k for _, k in live)):
+            runner.record_sampled(rows, outs[-1])  # the next step's inputs, on the device
+            g, tokens = self._chain(rs, seqs, g, step)
+            outs.append(tokens)
+        drafted = torch.stack(outs, dim=1).tolist()  # the step's one host sync
+        drafts = {r.rid: d[:k] for (r, k), d in zip(live, drafted)}
         return [drafts.get(r.rid, []) for r in reqs]
 
     def release(self, req: Req) -> None:
@@ -156,13 +159,15 @@ class StateHeadDrafter:
         self.cache.evict(rows)
         return hidden, self.chain_states(batch, hidden)
 
-    def _chain(self, reqs: list[Req], inputs: list[int], g: torch.Tensor, step: int) -> tuple[torch.Tensor, list[int]]:
-        """Draft step `step` >= 1: each request's previous draft `inputs[i]` at position len(ids) - 2 + step,
-        the head's own state `g` standing in for the target's; (the next step's states, drafts)."""
-        seqs = [self.seqs[r.rid] for r in reqs]
+    def _chain(self, reqs: list[Req], seqs: list[StateSeq], g: torch.Tensor, step: int,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft step `step` >= 1: each request's previous draft (in the runner's last-token table) at
+        position len(ids) - 2 + step, the head's own state `g` standing in for the target's; (the next
+        step's states, the drafts `[n]` int64 on the device). Every live request runs every step; a
+        request that asked for fewer drafts has the extra entries dropped at its next catch-up."""
         positions = [[len(r.ids) - 2 + step] for r in reqs]
         assert all(s.base + s.cache.length == p[0] for s, p in zip(seqs, positions))
-        batch = self.cache.batch(ForwardMode.DECODE, [s.cache for s in seqs], [[t] for t in inputs], positions)
+        batch = self.cache.batch(ForwardMode.DECODE, [s.cache for s in seqs], None, positions)
         batch.scratch[self.chain_key] = g
         hidden = self.rt.runner.forward_hidden(batch)
-        return self.chain_states(batch, hidden), self.rt.runner.greedy_tokens(hidden).tolist()
+        return self.chain_states(batch, hidden), self.rt.runner.greedy_tokens(hidden)
