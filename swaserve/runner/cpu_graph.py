@@ -24,11 +24,11 @@ class CpuGraphRunner(DecodeGraphRunner):
         for bs in reversed(self.sizes):  # compile/warm every size up front, like a capture
             self._replay(bs, [1] * bs)
 
-    def _model_step(self, fb: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model(fb), fb.scratch.get("aux_hidden")
+    def _model_step(self, fb: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.model(fb), self.scratch.written(fb)
 
     @torch.inference_mode()
-    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         fb = self._static_batch(bs, seq_lens_cpu)
         self.backend.init_forward_metadata(fb)
         return self._compiled(fb)

@@ -59,21 +59,19 @@ class CudaGraphRunner(DecodeGraphRunner):
             raise ValueError(f"{type(self.backend).__name__} cannot be captured in a CUDA graph; use triton")
         self.backend.init_graph_state(self.sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bs -> [bs, hidden], the graph's output (its pool)
-        self.aux_outputs: dict[int, torch.Tensor | None] = {}  # bs -> [bs, D] auxiliary states, or None
+        # bs -> the graph's outputs (in its pool): `[bs, hidden]` states and its scratch outputs
+        self.outputs: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._capture()
 
-    def _run_once(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_once(self, bs: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         fb = self._static_batch(bs, [1] * bs)
         self.backend.init_forward_metadata_graph(fb)
-        return self.model(fb), fb.scratch.get("aux_hidden")  # [bs, hidden]: one token per request
+        return self.model(fb), self.scratch.written(fb)  # [bs, hidden]: one token per request
 
     def _capture(self) -> None:
-        self.graphs, outs = capture_per_size(self.sizes, self._run_once, self.runner.device)
-        for bs, (hidden, aux) in outs.items():
-            self.outputs[bs], self.aux_outputs[bs] = hidden, aux
+        self.graphs, self.outputs = capture_per_size(self.sizes, self._run_once, self.runner.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         self.graphs[bs].replay()
-        return self.outputs[bs], self.aux_outputs[bs]
+        return self.outputs[bs]

@@ -11,6 +11,7 @@ import torch
 from swaserve.runner.graph_buffers import (
     SEQ_LEN_FILL,
     DecodeInputBuffers,
+    ScratchSlots,
     capture_batch_sizes,
     padded_batch_size,
 )
@@ -35,9 +36,11 @@ class DecodeGraphRunner(ABC):
         self.full_to_swa = runner.attn_backend.full_to_swa
         self.sizes = capture_batch_sizes(max_bs)
         self.buffers = DecodeInputBuffers(self.sizes[-1], runner.device, hybrid=self.full_to_swa is not None)
-        # `[raw_bs, D]` auxiliary states of the last replay (`aux_hidden` in the batch scratch, for an
-        # EAGLE-3 drafter), None when the model keeps none; a view valid until the next replay.
-        self.last_aux: torch.Tensor | None = None
+        self.scratch = ScratchSlots(runner.decode_scratch_inputs, runner.scratch_outputs, self.sizes[-1],
+                                    runner.dtype, runner.device)
+        # The scratch outputs of the last replay, `[raw_bs, D]` each (`aux_hidden`: the auxiliary
+        # states an EAGLE-3 drafter reads); views valid until the next replay.
+        self.last_scratch: dict[str, torch.Tensor] = {}
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.sizes[-1]
@@ -48,8 +51,9 @@ class DecodeGraphRunner(ABC):
         bs = padded_batch_size(raw, self.sizes)
         assert bs is not None, "can_run() must be checked first"
         self.buffers.populate(batch, bs)
-        hidden, aux = self._replay(bs, batch.seq_lens_cpu + [SEQ_LEN_FILL] * (bs - raw))
-        self.last_aux = aux[:raw] if aux is not None else None
+        self.scratch.fill(batch, bs)
+        hidden, written = self._replay(bs, batch.seq_lens_cpu + [SEQ_LEN_FILL] * (bs - raw))
+        self.last_scratch = {k: v[:raw] for k, v in written.items()}
         return hidden[:raw]
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
@@ -57,9 +61,10 @@ class DecodeGraphRunner(ABC):
         self.buffers.derive(bs, self.runner.last_tokens, self.full_to_swa)
         fb = self.buffers.forward_batch(bs, seq_lens_cpu)
         fb.attn_backend = self.backend
+        self.scratch.bind(fb, bs)
         return fb
 
     @abstractmethod
-    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _replay(self, bs: int, seq_lens_cpu: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the captured program for bs rows over the static buffers: `[bs, hidden]` states, and
-        the auxiliary states (`[bs, D]`) where the model keeps them."""
+        the scratch outputs it wrote (`ScratchSlots.written`)."""

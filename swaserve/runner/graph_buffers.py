@@ -90,3 +90,36 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 def padded_batch_size(raw_bs: int, sizes: list[int]) -> int | None:
     """Smallest captured size >= raw_bs, or None above the largest."""
     return next((b for b in sizes if b >= raw_bs), None)
+
+
+class ScratchSlots:
+    """Static buffers for batch-scratch tensors a captured program reads (`inputs`: key -> width, one
+    row per token; e.g. a drafter head's state input) and the scratch keys it writes that callers
+    read back (`outputs`; e.g. a head's pre-norm output). `fill` resets every row up to the padded
+    size before copying the live rows in, so a padded row reads zeros, never a gone request's state."""
+
+    def __init__(self, inputs: dict[str, int], outputs: tuple[str, ...], rows: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.buffers = {k: torch.zeros(rows, w, dtype=dtype, device=device) for k, w in inputs.items()}
+        self.outputs = ("aux_hidden", *outputs)  # the target's auxiliary states, for an EAGLE-3 drafter
+
+    def bind(self, batch: ForwardBatch, n: int) -> None:
+        """Point the static batch's scratch at the first n rows of each input buffer."""
+        for k, b in self.buffers.items():
+            batch.scratch[k] = b[:n]
+
+    def fill(self, batch: ForwardBatch, n: int, dest: torch.Tensor | None = None) -> None:
+        """Copy the live batch's scratch inputs into rows `dest` (default 0..) after zeroing rows [0, n)."""
+        for k, b in self.buffers.items():
+            b[:n].zero_()
+            live = batch.scratch.get(k)
+            if live is None:  # the eager program would read no input either: zeros
+                continue
+            if dest is None:
+                b[: live.shape[0]].copy_(live)
+            else:
+                b.index_copy_(0, dest, live)
+
+    def written(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """The output keys the program wrote into `batch.scratch` (at capture: tensors of its pool)."""
+        return {k: batch.scratch[k] for k in self.outputs if k in batch.scratch}

@@ -116,6 +116,12 @@ class ModelRunner:
         # them (`aux_hidden` in the batch scratch). Valid until the next forward.
         self.keep_states = False
         self.step_states: torch.Tensor | None = None
+        # Batch-scratch tensors graph replays carry (set before capture; a drafter head's runtime):
+        # per-token inputs of decode and of extend (verify-shaped) graphs, key -> width, and the
+        # keys the model writes that callers read after a replay.
+        self.decode_scratch_inputs: dict[str, int] = {}
+        self.extend_scratch_inputs: dict[str, int] = {}
+        self.scratch_outputs: tuple[str, ...] = ()
 
     def enable_decode_graphs(self, max_bs: int) -> None:
         """Capture decode for batch sizes up to max_bs: CUDA graphs on a GPU, torch.compile on CPU."""
@@ -185,14 +191,15 @@ class ModelRunner:
             self.last_tokens[:1].zero_()  # a padding row in the batch must not leave a token in row 0
         if self.graph_runner is not None and token_indices is None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.replay(batch)  # gathers its inputs from the table in the graph
+            batch.scratch.update(self.graph_runner.last_scratch)
             if self.keep_states:
-                aux = self.graph_runner.last_aux
-                self.step_states = hidden if aux is None else aux
+                self.step_states = batch.scratch.get("aux_hidden", hidden)
             return hidden
         if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
-            hidden, aux = self.verify_graphs.replay(batch)
+            hidden, written = self.verify_graphs.replay(batch)
+            batch.scratch.update(written)
             if self.keep_states:
-                self.step_states = hidden if aux is None else aux
+                self.step_states = batch.scratch.get("aux_hidden", hidden)
             return hidden[batch.last_token_indices() if token_indices is None else token_indices]
         if batch.is_decode and batch.input_ids is None:
             batch.input_ids = self.last_tokens[batch.req_pool_indices]

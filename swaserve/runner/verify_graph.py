@@ -19,7 +19,7 @@ import torch
 
 from swaserve.h2d import to_device
 from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
-from swaserve.runner.graph_buffers import capture_batch_sizes, padded_batch_size
+from swaserve.runner.graph_buffers import ScratchSlots, capture_batch_sizes, padded_batch_size
 
 if TYPE_CHECKING:
     from swaserve.runner.model_runner import ModelRunner
@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class VerifyGraphRunner:
-    """`replay(batch)` gives the hidden states (and auxiliary states, where the model keeps them) of
-    every new token of `batch` in its own (unpadded) token order. `capture=False` runs the same padded
+    """`replay(batch)` gives the hidden states of every new token of `batch` in its own (unpadded)
+    token order, and the scratch outputs the program wrote (`ScratchSlots`: the target's auxiliary
+    states, a drafter head's pre-norm output) in the same order; a head's per-token state input
+    (`runner.extend_scratch_inputs`) goes in through static buffers, padded slots reading zeros. `capture=False` runs the same padded
     program eagerly instead of replaying a CUDA graph (the CPU tests of the padding rules, with the
     Triton backend interpreted). Needs a backend with `init_forward_metadata_strided` (triton)."""
 
@@ -51,8 +53,10 @@ class VerifyGraphRunner:
         self.swa_out_cache_loc = (torch.zeros(max_bs * q_len, dtype=torch.int32, device=dev)
                                   if self.full_to_swa is not None else None)  # [max_bs*Q] int32: SWA pool
         self.qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=dev) * q_len  # [max_bs+1] int32
+        self.scratch = ScratchSlots(runner.extend_scratch_inputs, runner.scratch_outputs, max_bs * q_len,
+                                    runner.dtype, dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.capture = capture
         if not hasattr(self.backend, "init_forward_metadata_strided"):
             raise ValueError(f"{type(self.backend).__name__} cannot run verify graphs; use triton")
@@ -65,19 +69,20 @@ class VerifyGraphRunner:
                 and batch.extend_seq_lens_cpu is not None and max(batch.extend_seq_lens_cpu) <= self.q)
 
     @torch.inference_mode()
-    def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`[num_tokens, hidden]` states of the batch's new tokens (a fresh tensor, not a view of the
-        graph's output) and `[num_tokens, D]` auxiliary states or None."""
+    def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`[num_tokens, hidden]` states of the batch's new tokens and the scratch outputs, `[num_tokens,
+        D]` each (fresh tensors, not views of the graph's output)."""
         raw = batch.batch_size
         bs = padded_batch_size(raw, self.sizes)
         assert bs is not None and self.can_run(batch), "can_run() must be checked first"
         dest = self._populate(batch, bs)
+        self.scratch.fill(batch, bs * self.q, dest)
         if self.capture:
             self.graphs[bs].replay()
-            hidden, aux = self.outputs[bs]
+            hidden, written = self.outputs[bs]
         else:
-            hidden, aux = self._run_once(bs)
-        return hidden[dest], (aux[dest] if aux is not None else None)
+            hidden, written = self._run_once(bs)
+        return hidden[dest], {k: v[dest] for k, v in written.items()}
 
     def _populate(self, batch: ForwardBatch, bs: int) -> torch.Tensor:
         """Copy the live batch into rows [0, raw) and reset everything else up to bs; the device
@@ -111,12 +116,13 @@ class VerifyGraphRunner:
                           out_cache_loc=self.tokens[2, :T], seq_lens_cpu=[self.q] * bs,
                           extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[self.q] * bs, swa_out_cache_loc=swa)
         fb.attn_backend = self.backend
+        self.scratch.bind(fb, T)
         return fb
 
-    def _run_once(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_once(self, bs: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         fb = self._static_batch(bs)
         self.backend.init_forward_metadata_strided(fb, self.q, self.prefix_lens[:bs], self.qo_indptr[: bs + 1])
-        return self.model(fb), fb.scratch.get("aux_hidden")
+        return self.model(fb), self.scratch.written(fb)
 
     def _capture(self) -> None:
         from swaserve.runner.cuda_graph import capture_per_size

@@ -26,8 +26,8 @@ class Eagle3Drafter(StateHeadDrafter):
     name = "the EAGLE-3 head"
     extend_key, chain_key = AUX_INPUT, HIDDEN_INPUT
 
-    def __init__(self, rt: Runtime, head: Eagle3Head, layers: tuple[int, ...]):
-        super().__init__(rt, head, head.fc.in_features)
+    def __init__(self, rt: Runtime, head: Eagle3Head, layers: tuple[int, ...], start: Any = None):
+        super().__init__(rt, head, head.fc.in_features, start)
         self.layers = layers
 
     def chain_states(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
@@ -76,9 +76,11 @@ class Eagle3Drafter(StateHeadDrafter):
             head.load_weights(weights.items())
         config = ModelConfig.from_hf(hf, max_context=target.max_context)
         group = config.full_group
-        rt = head_runtime(config, head, group.num_kv_heads, group.k_head_dim + group.v_head_dim, target,
-                          target_sched, device, dtype)
-        return cls(rt, head, layers)
+        scratch = ({HIDDEN_INPUT: head.hidden_size}, {AUX_INPUT: head.fc.in_features}, (PRENORM,))
+        rt, start = head_runtime(config, head, group.num_kv_heads, group.k_head_dim + group.v_head_dim, target,
+                          target_sched, device, dtype, scratch,
+                          (cfg.speculative_max_batch_size, cfg.speculative_num_tokens + 1))
+        return cls(rt, head, layers, start)
 
     def attach(self, rt: Runtime) -> None:
         """Make the target keep the states of `layers` (before its decode graphs are captured) and, for

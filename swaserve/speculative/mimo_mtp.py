@@ -25,8 +25,8 @@ class MiMoMTPDrafter(StateHeadDrafter):
     name = "the MTP layer"
     extend_key = chain_key = HIDDEN_INPUT
 
-    def __init__(self, rt: Runtime, head: MiMoMTPHead):
-        super().__init__(rt, head, head.hidden_size)
+    def __init__(self, rt: Runtime, head: MiMoMTPHead, start: Any = None):
+        super().__init__(rt, head, head.hidden_size, start)
 
     @classmethod
     def build(cls, cfg: SpeculativeConfig, target: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -53,9 +53,11 @@ class MiMoMTPDrafter(StateHeadDrafter):
             head.load_weights(weights)
         config = ModelConfig.from_hf(hf, max_context=target.max_context)
         group = config.swa_group
-        rt = head_runtime(config, head, group.num_kv_heads, group.k_head_dim + group.v_head_dim, target,
-                          target_sched, device, dtype)
-        return cls(rt, head)
+        scratch = ({HIDDEN_INPUT: head.hidden_size}, {HIDDEN_INPUT: head.hidden_size}, ())
+        rt, start = head_runtime(config, head, group.num_kv_heads, group.k_head_dim + group.v_head_dim, target,
+                          target_sched, device, dtype, scratch,
+                          (cfg.speculative_max_batch_size, cfg.speculative_num_tokens + 1))
+        return cls(rt, head, start)
 
     def attach(self, rt: Runtime) -> None:
         """Share the target's token embedding and LM head with the MTP layer; free its out-of-window

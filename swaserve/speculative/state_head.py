@@ -7,6 +7,7 @@ target's state; the drafted tokens stay on the device until the step's one host 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,19 +39,28 @@ class StateSeq:
 
 
 def head_runtime(config: ModelConfig, head: Any, kv_heads: int, kv_width: int, target: ModelConfig,
-                 target_sched: SchedulerConfig, device: torch.device, dtype: torch.dtype) -> Runtime:
+                 target_sched: SchedulerConfig, device: torch.device, dtype: torch.dtype,
+                 scratch: tuple[dict[str, int], dict[str, int], tuple[str, ...]], verify: tuple[int, int],
+                 ) -> tuple[Runtime, Callable[[], None]]:
     """The head's own runtime: a request row per target row, a cache sized for every running request
-    at full context (at most 256 MiB on CPU, 4 GiB on a GPU), no decode graphs (a captured forward
-    would freeze the state input it reads from the batch scratch)."""
+    at full context (at most 256 MiB on CPU, 4 GiB on a GPU), and the call that starts it. On a GPU
+    its chained decode steps and its catch-up extends (up to `verify` = (max batch, tokens per
+    request)) replay CUDA graphs, the state input going in through static buffers: `scratch` =
+    (decode inputs, extend inputs, outputs) of the batch scratch, key -> width. Started (captured)
+    only after `attach`: the graphs must see the embedding and LM head the head shares with the
+    target."""
     from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
-    from swaserve.runtime import build_runtime
+    from swaserve.runtime import build_runtime, start_runner
 
     sched = SchedulerConfig(max_running_requests=target_sched.max_running_requests,
                             max_prefill_tokens=target_sched.max_prefill_tokens, max_context=target.max_context)
     need = (sched.max_running_requests + 1) * target.max_context * kv_heads * kv_width
     budget = min((256 << 20) if device.type == "cpu" else (4 << 30), 2 * need * dtype.itemsize + (8 << 20))
     cache: CacheConfig = CacheConfig(kv_cache_bytes=budget, disable_prefix_cache=True)
-    return build_runtime(config, head, device, dtype, cache, sched, RunnerConfig(disable_cuda_graph=True))
+    runner_cfg = RunnerConfig()
+    rt = build_runtime(config, head, device, dtype, cache, sched, runner_cfg, start=False)
+    rt.runner.decode_scratch_inputs, rt.runner.extend_scratch_inputs, rt.runner.scratch_outputs = scratch
+    return rt, lambda: start_runner(rt, runner_cfg, sched, verify=verify)
 
 
 class StateHeadDrafter:
@@ -64,10 +74,17 @@ class StateHeadDrafter:
     name = "the head"
     extend_key = chain_key = ""
 
-    def __init__(self, rt: Runtime, head: Any, state_width: int):
+    def __init__(self, rt: Runtime, head: Any, state_width: int, start: Callable[[], None] | None = None):
         self.rt, self.head, self.state_width = rt, head, state_width
+        self._start = start
         self.cache = DraftCache(rt)
         self.seqs: dict[str, StateSeq] = {}
+
+    def start(self, target: Runtime) -> None:
+        """After `attach` and the target's own start: capture the head's graphs, warm it up."""
+        if self._start is not None:
+            self._start()
+            self._start = None
 
     def chain_states(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """What the next draft step reads as its state, one row per request: the head's output."""

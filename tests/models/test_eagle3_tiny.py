@@ -142,6 +142,8 @@ def eagle3_run(family: str, tmp_path, device: str = "cpu") -> tuple[int, int]:
     engine = Engine(str(target_dir), device=device, dtype="float32", **OPTIONS, speculative_method="eagle3",
                     speculative_draft_model=str(head_dir), speculative_num_tokens=3)
     drafter = engine.scheduler.speculation.drafter
+    if device == "cuda":  # the head's chained decode steps and catch-up extends replay CUDA graphs
+        assert drafter.rt.runner.graph_runner is not None and drafter.rt.runner.verify_graphs is not None
     records = []
     propose = drafter.propose
 

@@ -109,19 +109,28 @@ def prompts_for(vocab: int) -> list[list[int]]:
 
 
 def test_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path):
+    agree, total = mtp_run(tmp_path, "cpu")
+    assert agree == total, f"{agree}/{total} proposals equal the reference"
+
+
+def mtp_run(tmp_path, device: str) -> tuple[int, int]:
+    """Plain vs MTP greedy on `device` (fp32), two rounds (the second hits the prefix cache): lossless,
+    every pool empty after, SWA slots of the layer evicted; (proposals equal to the reference, all)."""
     target_dir = tmp_path / "target"
     hf = make_hf_model("mimo_v2_flash", target_dir)
     cfg = hf.config
     layers = add_mtp_weights(target_dir, cfg)
     prompts = prompts_for(cfg.vocab_size)
     assert max(map(len, prompts)) > 3 * cfg.sliding_window
-    plain_engine = Engine(str(target_dir), device="cpu", dtype="float32", **OPTIONS)
+    plain_engine = Engine(str(target_dir), device=device, dtype="float32", **OPTIONS)
     plain = greedy_tokens(plain_engine, prompts, 20, plain_engine.check_integrity)
 
-    engine = Engine(str(target_dir), device="cpu", dtype="float32", **OPTIONS, speculative_method="mtp",
+    engine = Engine(str(target_dir), device=device, dtype="float32", **OPTIONS, speculative_method="mtp",
                     speculative_num_tokens=3)
     drafter = engine.scheduler.speculation.drafter
     assert type(drafter).__name__ == "MiMoMTPDrafter"
+    if device == "cuda":  # the layer's chained decode steps and catch-up extends replay CUDA graphs
+        assert drafter.rt.runner.graph_runner is not None and drafter.rt.runner.verify_graphs is not None
     assert drafter.rt.evictor is not None, "the MTP layer slides: its runtime frees out-of-window slots"
     records = []
     propose = drafter.propose
@@ -168,7 +177,6 @@ def test_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path):
             states = hf.model(torch.tensor([ids[:-1]])).last_hidden_state[0][base:]
             ref = reference_drafts(cfg, layers[0], embed, head, states, ids[base + 1:], base, len(drafts))
             agree += ref == drafts
-    assert agree == len(records), f"{agree}/{len(records)} proposals equal the reference"
     # The reference with layer 1's weights disagrees somewhere: the drafter reads layer 0 only.
     ids, base, drafts = max(records, key=lambda r: len(r[0]))
     with torch.no_grad():
@@ -178,6 +186,7 @@ def test_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path):
     own = [reference_drafts(cfg, layers[0], embed, head, states[: j + 1], ids[base + 1 : base + j + 2], base, 3)
            for j in range(len(states))]
     assert alt != own
+    return agree, len(records)
 
 
 def test_mtp_without_mtp_layers_is_refused(tmp_path):
