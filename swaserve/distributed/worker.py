@@ -56,6 +56,10 @@ def run_rank(spec: RankSpec) -> None:
             os._exit(0)  # rank 0 is gone: its peers' collectives fail; nothing to report
         raise
     torch.distributed.destroy_process_group()
+    # Skip the interpreter's teardown: gloo's threads can still be joinable when C++ statics are
+    # destroyed, and std::terminate then aborts a rank that finished cleanly (seen as exit code -6).
+    logging.shutdown()
+    os._exit(0)
 
 
 def follow_steps(rt: Runtime, channel: StepChannel) -> None:
