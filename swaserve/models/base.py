@@ -205,44 +205,63 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        merged = {
-            f"{mod_name}.{p}": mod
-            for mod_name, mod in self.named_modules()
-            if isinstance(mod, MergedLinear)
-            for p in ("weight", "bias")
-            if getattr(mod, p) is not None
-        }
-        expected = {(n, None) for n in params if n not in merged}
-        expected |= {(n, i) for n, mod in merged.items() for i in range(len(mod.out_sizes))}
-        loaded: set[tuple[str, int | None]] = set()
+        named = NamedWeights(self)
         for name, tensor in weights:
             target = self.map_weight_name(name)
             if target is not None:
-                loaded.add(self._load_one(name, target, tensor, params, merged))
-        missing = sorted(f"{n}" + ("" if s is None else f"[shard {s}]") for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
+                self.load_one(named, name, target, tensor)
+        named.finish()
 
-    def _load_one(
-        self, name: str, target: str, tensor: torch.Tensor,
-        params: dict[str, nn.Parameter], merged: dict[str, MergedLinear],
-    ) -> tuple[str, int | None]:
+    def load_one(self, named: NamedWeights, name: str, target: str, tensor: torch.Tensor) -> None:
+        """One mapped tensor into the model (a family whose checkpoints store experts one by one
+        overrides this)."""
+        named.load(name, target, tensor)
+
+
+class NamedWeights:
+    """Loads (HF name, tensor) pairs into `module` by parameter name: q/k/v and gate/up into their
+    merged parameter's shards (`STACKED_PARAMS`), each other tensor into its parameter (a
+    tensor-parallel layer takes its `tp_slice`), shapes checked. `finish()` raises ValueError naming
+    what no tensor loaded. Extra entries (a head's buffers) join through `expect` / `mark`."""
+
+    def __init__(self, module: nn.Module, what: str = "checkpoint", buffers: bool = False):
+        self.module, self.what = module, what
+        self.params: dict[str, torch.Tensor] = dict(module.named_parameters())
+        if buffers:
+            self.params.update(module.named_buffers())
+        self.merged = {f"{n}.{p}": m for n, m in module.named_modules() if isinstance(m, MergedLinear)
+                       for p in ("weight", "bias") if getattr(m, p) is not None}
+        self.expected = {(n, None) for n in self.params if n not in self.merged}
+        self.expected |= {(n, i) for n, m in self.merged.items() for i in range(len(m.out_sizes))}
+        self.loaded: set[tuple[str, int | None]] = set()
+
+    def expect(self, target: str) -> None:
+        self.expected.add((target, None))
+
+    def mark(self, target: str) -> None:
+        self.loaded.add((target, None))
+
+    def load(self, name: str, target: str, tensor: torch.Tensor) -> None:
+        """`tensor` (checkpoint name `name`) into the parameter `target` names in this module."""
         for src, dst, shard in STACKED_PARAMS:
-            if src in target:
-                pname = target.replace(src, dst)
-                if pname not in merged:
-                    raise ValueError(f"unknown weight {name!r} (no merged parameter {pname!r})")
-                merged[pname].load_shard(shard, pname.rsplit(".", 1)[1], tensor)
-                return pname, shard
-        param = params.get(target)
+            pname = target.replace(src, dst)
+            if src in target and pname in self.merged:
+                self.merged[pname].load_shard(shard, pname.rsplit(".", 1)[1], tensor)
+                self.loaded.add((pname, shard))
+                return
+        param = self.params.get(target)
         if param is None:
-            raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
+            raise ValueError(f"unknown weight {name!r} for {type(self.module).__name__}")
         owner, _, pname = target.rpartition(".")
-        tp_slice = getattr(self.get_submodule(owner), "tp_slice", None)
+        tp_slice = getattr(self.module.get_submodule(owner), "tp_slice", None)
         if tp_slice is not None:  # tensor parallelism: this rank's part of the HF tensor
             tensor = tp_slice(pname, tensor)
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
         param.data.copy_(tensor)
-        return target, None
+        self.loaded.add((target, None))
+
+    def finish(self) -> None:
+        missing = sorted(n + ("" if s is None else f"[shard {s}]") for n, s in self.expected - self.loaded)
+        if missing:
+            raise ValueError(f"{self.what} is missing {len(missing)} weights, e.g. {missing[:5]}")

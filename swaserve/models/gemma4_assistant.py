@@ -15,11 +15,10 @@ from torch import nn
 from swaserve.config import FULL, SLIDING, ModelConfig, layer_attention_shape
 from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import LMHead, VocabEmbedding
-from swaserve.layers.linear import MergedLinear
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
-from swaserve.models.base import STACKED_PARAMS
+from swaserve.models.base import NamedWeights
 from swaserve.models.gemma4 import Gemma4DecoderLayer
 
 if TYPE_CHECKING:
@@ -101,32 +100,11 @@ class Gemma4Assistant(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF (name, tensor) pairs; ValueError on unknown, misshapen or missing weights."""
-        params = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-        merged = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, MergedLinear)}
-        expected = {(n, None) for n in params if n not in merged}
-        expected |= {(n, i) for n, m in merged.items() for i in range(len(m.out_sizes))}
-        loaded: set[tuple[str, int | None]] = set()
+        named = NamedWeights(self, "assistant checkpoint", buffers=True)
         for name, tensor in weights:
-            if name.startswith("lm_head.") and self.lm_head.tied:
-                continue
-            for src, dst, shard in STACKED_PARAMS:
-                if src in name and name.replace(src, dst) in merged:
-                    target = name.replace(src, dst)
-                    merged[target].load_shard(shard, "weight", tensor)
-                    loaded.add((target, shard))
-                    break
-            else:
-                param = params.get(name)
-                if param is None:
-                    raise ValueError(f"unknown weight {name!r} for the Gemma 4 assistant")
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, "
-                                     f"got {tuple(tensor.shape)}")
-                param.data.copy_(tensor)
-                loaded.add((name, None))
-        missing = sorted(f"{n}" + ("" if s is None else f"[shard {s}]") for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"assistant checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
+            if not (name.startswith("lm_head.") and self.lm_head.tied):
+                named.load(name, name, tensor)
+        named.finish()
 
 
 class AssistantStack(nn.Module):

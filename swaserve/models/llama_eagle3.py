@@ -18,7 +18,7 @@ from swaserve.layers.linear import MergedLinear
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm
 from swaserve.layers.rotary import rope_from_config
-from swaserve.models.base import STACKED_PARAMS
+from swaserve.models.base import NamedWeights
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
@@ -108,15 +108,10 @@ class Eagle3Head(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names (an optional `model.` prefix is dropped); `t2d` is not needed. Raises ValueError
         on unknown, misshapen or missing weights."""
-        params = dict(self.named_parameters())
-        merged = {f"{n}.{p}": m for n, m in self.named_modules() if isinstance(m, MergedLinear)
-                  for p in ("weight", "bias") if getattr(m, p) is not None}
-        expected = {(n, None) for n in params if n not in merged}
-        expected |= {(n, i) for n, m in merged.items() for i in range(len(m.out_sizes))}
+        named = NamedWeights(self, "EAGLE-3 checkpoint")
         if self.needs_d2t:
-            expected.add(("d2t", None))
+            named.expect("d2t")
         self.d2t.zero_()
-        loaded: set[tuple[str, int | None]] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name == "t2d" or name.endswith("rotary_emb.inv_freq"):
@@ -126,26 +121,7 @@ class Eagle3Head(nn.Module):
                     raise ValueError(f"d2t: expected {self.draft_vocab} entries (draft_vocab_size), got "
                                      f"{tuple(tensor.shape)}")
                 self.d2t.copy_(tensor)
-                loaded.add(("d2t", None))
+                named.mark("d2t")
                 continue
-            loaded.add(self._load_one(name, tensor, params, merged))
-        missing = sorted(n + ("" if s is None else f"[shard {s}]") for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"EAGLE-3 checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
-
-    def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
-                  merged: dict[str, MergedLinear]) -> tuple[str, int | None]:
-        for src, dst, shard in STACKED_PARAMS:
-            if src in name:
-                pname = name.replace(src, dst)
-                if pname not in merged:
-                    raise ValueError(f"unknown EAGLE-3 weight {name!r}")
-                merged[pname].load_shard(shard, pname.rsplit(".", 1)[1], tensor)
-                return pname, shard
-        param = params.get(name)
-        if param is None:
-            raise ValueError(f"unknown EAGLE-3 weight {name!r}")
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"EAGLE-3 weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
-        param.data.copy_(tensor)
-        return name, None
+            named.load(name, name, tensor)
+        named.finish()

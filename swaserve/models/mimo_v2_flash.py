@@ -20,7 +20,7 @@ from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.moe import GroupedTopKRouter, StackedExperts, routed_rows
 from swaserve.layers.norm import RMSNorm, add_norm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
-from swaserve.models.base import CausalLM, DecoderLayer
+from swaserve.models.base import CausalLM, DecoderLayer, NamedWeights
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
@@ -128,12 +128,11 @@ class MiMoV2FlashForCausalLM(CausalLM):
                 missing = sorted(want - seen)[:3]
                 raise ValueError(f"checkpoint is missing {len(want - seen)} expert weights of {prefix}, e.g. {missing}")
 
-    def _load_one(
-        self, name: str, target: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], merged: dict[str, Any],
-    ) -> tuple[str, int | None]:
+    def load_one(self, named: NamedWeights, name: str, target: str, tensor: torch.Tensor) -> None:
         m = _PER_EXPERT.match(target)
         if m is None:
-            return super()._load_one(name, target, tensor, params, merged)
+            named.load(name, target, tensor)
+            return
         prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
         experts = self.get_submodule(prefix)
         if not isinstance(experts, StackedExperts) or expert >= experts.gate_up_proj.shape[0]:
@@ -141,4 +140,4 @@ class MiMoV2FlashForCausalLM(CausalLM):
         experts.load_expert(expert, proj, tensor)
         self._experts_loaded.setdefault(prefix, set()).add((expert, proj))
         # Counts the stacked parameter as present; `load_weights` checks that every expert filled it.
-        return f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}", None
+        named.mark(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from swaserve.config import SLIDING
-from swaserve.layers.linear import MergedLinear
 from swaserve.layers.norm import RMSNorm
-from swaserve.models.base import STACKED_PARAMS
+from swaserve.models.base import NamedWeights
 
 if TYPE_CHECKING:
     from swaserve.layers.embedding import LMHead, VocabEmbedding
@@ -92,38 +91,13 @@ class MiMoMTPHead(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], index: int = 0) -> None:
         """The tensors of `model.mtp.layers.{index}.*` (others are skipped). Raises ValueError on
         unknown, misshapen or missing weights."""
-        params = dict(self.named_parameters())
-        merged = {f"{n}.{p}": m for n, m in self.named_modules() if isinstance(m, MergedLinear)
-                  for p in ("weight", "bias") if getattr(m, p) is not None}
-        expected = {(n, None) for n in params if n not in merged}
-        expected |= {(n, i) for n, m in merged.items() for i in range(len(m.out_sizes))}
-        loaded: set[tuple[str, int | None]] = set()
+        named = NamedWeights(self, f"MTP layer {index}")
         for name, tensor in weights:
             m = MTP_LAYER.match(name)
             if m is None or int(m.group(1)) != index:
                 continue
-            loaded.add(self._load_one(name, _local_name(m.group(2)), tensor, params, merged))
-        missing = sorted(n + ("" if s is None else f"[shard {s}]") for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"MTP layer {index} is missing {len(missing)} weights, e.g. {missing[:5]}")
-
-    @staticmethod
-    def _load_one(name: str, local: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
-                  merged: dict[str, MergedLinear]) -> tuple[str, int | None]:
-        for src, dst, shard in STACKED_PARAMS:
-            if src in local:
-                pname = local.replace(src, dst)
-                if pname not in merged:
-                    raise ValueError(f"unknown MTP weight {name!r}")
-                merged[pname].load_shard(shard, pname.rsplit(".", 1)[1], tensor)
-                return pname, shard
-        param = params.get(local)
-        if param is None:
-            raise ValueError(f"unknown MTP weight {name!r}")
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"MTP weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
-        param.data.copy_(tensor)
-        return local, None
+            named.load(name, _local_name(m.group(2)), tensor)
+        named.finish()
 
 
 def _local_name(rest: str) -> str:
