@@ -38,3 +38,23 @@ def greedy_tokens(engine, prompts: list[list[int]], steps: int, after_step=None)
         if after_step is not None:
             after_step()
     return out
+
+
+def spy_with_truth(drafter, plain: dict[str, list[int]]) -> list[tuple[list[int], int, list[int]]]:
+    """Wrap a state-head drafter's `propose` (EAGLE-3, MiMo MTP): record each proposal as (ids, the
+    sequence's base, drafts), and hand the target the first a = (call number) % 4 true tokens (from
+    `plain`, the plain greedy outputs) in front of the rest, so verify steps accept 0..3 drafts (a
+    random head alone has none accepted) and the head's cache must follow accepted drafts too.
+    Returns the record list, filled as the engine runs."""
+    records: list[tuple[list[int], int, list[int]]] = []
+    propose = drafter.propose
+
+    def spy(reqs, ks):
+        out = propose(reqs, ks)
+        records.extend((list(r.ids), drafter.seqs[r.rid].base, d) for r, d in zip(reqs, out) if d)
+        a = len(records) % 4
+        truth = [plain[r.group_id][len(r.ids) - r.prompt_len:] for r in reqs]
+        return [(t[:a] + d[a:])[: len(d)] if d else d for t, d in zip(truth, out)]
+
+    drafter.propose = spy
+    return records

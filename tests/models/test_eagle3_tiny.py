@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 from families import make_hf_model
 from safetensors.torch import save_file
-from scheduled import greedy_tokens
+from scheduled import greedy_tokens, spy_with_truth
 
 from swaserve.engine import Engine
 
@@ -144,20 +144,7 @@ def eagle3_run(family: str, tmp_path, device: str = "cpu") -> tuple[int, int]:
     drafter = engine.scheduler.speculation.drafter
     if device == "cuda":  # the head's chained decode steps and catch-up extends replay CUDA graphs
         assert drafter.rt.runner.graph_runner is not None and drafter.rt.runner.verify_graphs is not None
-    records = []
-    propose = drafter.propose
-
-    def spy(reqs, ks):
-        """Record the head's proposals; hand the target the first a = (call number) % (k + 1) true
-        tokens in front of the rest of them, so verify steps accept 0..k drafts (a random head alone
-        has none accepted) and the head's cache must follow accepted drafts too."""
-        out = propose(reqs, ks)
-        records.extend((list(r.ids), drafter.seqs[r.rid].base, d) for r, d in zip(reqs, out) if d)
-        a = len(records) % 4
-        truth = [plain[r.group_id][len(r.ids) - r.prompt_len:] for r in reqs]
-        return [(t[:a] + d[a:])[: len(d)] if d else d for t, d in zip(truth, out)]
-
-    drafter.propose = spy
+    records = spy_with_truth(drafter, plain)
 
     def check():
         engine.check_integrity()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from families import make_hf_model
 from safetensors.torch import load_file, save_file
-from scheduled import greedy_tokens
+from scheduled import greedy_tokens, spy_with_truth
 
 from swaserve.engine import Engine
 
@@ -132,19 +132,7 @@ def mtp_run(tmp_path, device: str) -> tuple[int, int]:
     if device == "cuda":  # the layer's chained decode steps and catch-up extends replay CUDA graphs
         assert drafter.rt.runner.graph_runner is not None and drafter.rt.runner.verify_graphs is not None
     assert drafter.rt.evictor is not None, "the MTP layer slides: its runtime frees out-of-window slots"
-    records = []
-    propose = drafter.propose
-
-    def spy(reqs, ks):
-        """Record the proposals; hand the target the first a = (call number) % (k + 1) true tokens in
-        front of the rest, so verify steps accept 0..k drafts and the layer's cache follows them."""
-        out = propose(reqs, ks)
-        records.extend((list(r.ids), drafter.seqs[r.rid].base, d) for r, d in zip(reqs, out) if d)
-        a = len(records) % 4
-        truth = [plain[r.group_id][len(r.ids) - r.prompt_len:] for r in reqs]
-        return [(t[:a] + d[a:])[: len(d)] if d else d for t, d in zip(truth, out)]
-
-    drafter.propose = spy
+    records = spy_with_truth(drafter, plain)
 
     alloc = drafter.rt.allocator
     evicted = []
