@@ -46,10 +46,25 @@ def gemma4_hf_config(shape: str, max_positions: int = 32768, num_layers: int | N
     return cfg
 
 
+def mimo_hf_config(max_positions: int = 32768, num_layers: int = 6, num_experts: int = 32):
+    """MiMo-V2-Flash's real layer shapes (transformers' MiMoV2FlashConfig defaults: hidden 4096, Q/K heads
+    of 192 and V of 128, sinks, window 128 + the query, 8-of-256 experts of 2048) cut to `num_layers`
+    (the real pattern's first block: full, sliding..., full) and `num_experts` experts, one MTP layer
+    declared, and Gemma's vocabulary so the carried Gemma tokenizer can serve it (random weights)."""
+    from transformers import MiMoV2FlashConfig
+
+    cfg = MiMoV2FlashConfig(num_hidden_layers=num_layers, n_routed_experts=num_experts, vocab_size=262144,
+                            max_position_embeddings=max_positions, sliding_window=129, num_nextn_predict_layers=1)
+    cfg.architectures = ["MiMoV2FlashForCausalLM"]
+    return cfg
+
+
 def hf_config(shape: str, max_positions: int = 32768):
-    """`1b`, `4b`, ... (Gemma 3) or `gemma4-26b-a4b`."""
+    """`1b`, `4b`, ... (Gemma 3), `gemma4-26b-a4b` or `mimo-6l` (MiMo-V2-Flash, 6 layers, 32 experts)."""
     if shape.startswith("gemma4-"):
         return gemma4_hf_config(shape.removeprefix("gemma4-"), max_positions)
+    if shape == "mimo-6l":
+        return mimo_hf_config(max_positions)
     return gemma3_hf_config(shape, max_positions)
 
 

@@ -69,7 +69,8 @@ def run(engine, prompts: list, max_tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF / HF dir (default: embedded, or --shape)")
-    ap.add_argument("--shape", default=None, help="1b, 4b: a config-only Gemma 3 dir with random weights")
+    ap.add_argument("--shape", default=None, help="1b, 4b, mimo-6l (benchmarks/common.py): a config-only dir with "
+                    "random weights")
     ap.add_argument("--device", default=None)
     ap.add_argument("--methods", default="plain,ngram,draft")
     ap.add_argument("--workloads", default="copy,ordinary")
@@ -91,7 +92,8 @@ def main() -> None:
     print(f"# {hw}, torch {torch.__version__}, model {args.shape or args.model or 'embedded'}, K={args.num_tokens}, "
           f"{args.max_tokens} greedy tokens per request", flush=True)
     spec = {"plain": {}, "ngram": {"speculative_method": "ngram"},
-            "draft": {"speculative_method": "draft", "speculative_draft_model": model}}
+            "draft": {"speculative_method": "draft", "speculative_draft_model": model},
+            "mtp": {"speculative_method": "mtp"}}
     results: dict[tuple, dict] = {}
     for method in args.methods.split(","):
         engine = Engine(model, device=dev, **opts, **spec[method], speculative_num_tokens=args.num_tokens)

@@ -9,7 +9,9 @@
 # batch-invariant kernels natively), det_probes_{1b,4b,g4} (64 probes alone vs among 100 others, mode on
 # and off), det_cost_1b / det_cost_4b (decode step and offline throughput off vs on, top kernels) and
 # det_serve (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
-# (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py). Logs in $OUT/<step>.log;
+# (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); for issue 22: pw_graphs
+# (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py), mimo_serve
+# (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo. Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -113,6 +115,22 @@ for step in "${steps[@]}"; do
         spec_1b|spec_4b)  # issue 19: plain vs n-gram vs self-draft at batch 1/8/32 (random weights)
             run "$step" 420 python3 benchmarks/speculative.py --shape "${step#spec_}" --methods plain,ngram,draft \
                 --batch-sizes 1,8,32 --max-tokens 128 ;;
+        pw_graphs)  # issue 22: prefill chunks and mixed steps through piecewise graphs vs eager, tiny families
+            run pw_graphs 300 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_piecewise_gpu.py ;;
+        pw_1b|pw_4b|pw_1b_det)  # issue 22: step time off/on and bit-identity, chunks 64..4096 and mixed steps
+            shape=${step#pw_}
+            det=""
+            [ "$shape" = 1b_det ] && shape=1b det=--deterministic
+            run "$step" 400 python3 benchmarks/piecewise.py --shape "$shape" $det ;;
+        mimo_serve)  # issue 22: MiMo-V2 reduced shape, 200 @ 128 through the server, decode + piecewise graphs
+            d=$(model_dir mimo-6l)
+            run mimo_serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
+                --num-requests 200 --concurrency 128 --window 129 --max-tokens 256 -- --max-running-requests 128 \
+                --max-context 4096 --enable-piecewise-cuda-graph
+            echo "   server log warnings: $(grep -ciE 'warn' "$OUT/mimo_serve.log")" ;;
+        mtp_mimo)  # issue 22: MiMo MTP (random weights: the mechanism's cost) vs plain at batch 1/8/32
+            run mtp_mimo 420 python3 benchmarks/speculative.py --shape mimo-6l --methods plain,mtp \
+                --batch-sizes 1,8,32 --max-tokens 128 --workloads ordinary ;;
         capacity)
             run capacity 170 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
         *) echo "unknown step $step" ;;

@@ -231,6 +231,9 @@ class RunnerConfig:
     attention_backend: str | None = _opt(None, "attention backend (default: triton on CUDA, torch_native elsewhere)",
                                          choices=("triton", "torch_native"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on the GPU")
+    enable_piecewise_cuda_graph: bool = _opt(
+        False, "also capture prefill chunks and mixed steps (up to 4096 tokens) as CUDA graphs in pieces between "
+        "attention calls (CUDA only)")
     enable_cpu_graph: bool = _opt(False, "torch.compile the CPU decode step (~1.2x faster steps, ~100 s longer start)")
     overlap_schedule: bool | None = _opt(
         None, "schedule step N+1 while N runs (default: on for CUDA); --no-overlap-schedule waits for each step",

@@ -22,6 +22,7 @@ from swaserve.memory import (
 )
 from swaserve.prefix_cache import RadixCache
 from swaserve.runner.memory_budget import kv_budget_bytes
+from swaserve.runner.piecewise_graph import PIECEWISE_MAX_TOKENS
 from swaserve.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -135,5 +136,7 @@ def start_runner(rt: Runtime, runner_cfg: RunnerConfig, sched: SchedulerConfig,
         runner.enable_decode_graphs(sched.max_running_requests)
         if verify is not None and device.type == "cuda" and not runner.deterministic:
             runner.enable_verify_graphs(min(verify[0], sched.max_running_requests), verify[1])
+    if runner_cfg.enable_piecewise_cuda_graph:
+        runner.enable_piecewise_graphs(min(sched.max_prefill_tokens, PIECEWISE_MAX_TOKENS))
     if device.type == "cuda":
         runner.warmup()  # the prefill kernels' JIT compiles, before the first request

@@ -248,11 +248,13 @@ class GroupedTopKRouter(nn.Module):
 
 
 def routed_rows(batch: ForwardBatch, h: torch.Tensor) -> torch.Tensor | None:
-    """`[bs]` bool, once per forward (shared by every MoE layer): False for the padded rows of a
-    replayed decode graph, which point at request row 0 and must route nothing. None elsewhere (an
+    """`[num_tokens]` bool, once per forward (shared by every MoE layer): False for padded tokens,
+    which must route nothing: the padded rows of a replayed decode graph (they point at request row
+    0), and a piecewise graph's padded tokens (its runner sets the mask). None elsewhere (an eager
     extend batch has no padding; the CPU reference path needs no mask)."""
+    if "moe_routed_rows" in batch.scratch:
+        return batch.scratch["moe_routed_rows"]
     if not (batch.is_decode and h.is_cuda):
         return None
-    if "moe_routed_rows" not in batch.scratch:
-        batch.scratch["moe_routed_rows"] = batch.req_pool_indices != 0
+    batch.scratch["moe_routed_rows"] = batch.req_pool_indices != 0
     return batch.scratch["moe_routed_rows"]

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from swaserve.memory.swa import SWAKVPool
     from swaserve.runner.decode_graph import DecodeGraphRunner
     from swaserve.runner.forward_batch import ForwardBatch
+    from swaserve.runner.piecewise_graph import PiecewiseGraphRunner
     from swaserve.runner.verify_graph import VerifyGraphRunner
 
 # Every backend is constructed as cls(kv, req_to_token, full_to_swa, sliding_window=W); the triton
@@ -106,6 +107,7 @@ class ModelRunner:
         )
         self.graph_runner: DecodeGraphRunner | None = None
         self.verify_graphs: VerifyGraphRunner | None = None  # speculative verify steps (CUDA)
+        self.piecewise: PiecewiseGraphRunner | None = None  # prefill chunks and mixed steps (CUDA)
         # Row r: the last token sampled for the request in row r of the request table. Decode steps
         # read their input here, so a step can be launched before the host has seen the previous
         # step's tokens. Row 0 (padding) is never written and stays 0.
@@ -142,6 +144,15 @@ class ModelRunner:
         from swaserve.runner.verify_graph import VerifyGraphRunner
 
         self.verify_graphs = VerifyGraphRunner(self, max_bs, q_len)
+
+    def enable_piecewise_graphs(self, max_tokens: int) -> None:
+        """Capture extend steps (prefill chunks, mixed steps) of up to `max_tokens` tokens as CUDA
+        graphs in pieces between the attention calls (CUDA only)."""
+        from swaserve.runner.piecewise_graph import PiecewiseGraphRunner
+
+        if self.device.type != "cuda":
+            raise ValueError("piecewise CUDA graphs need a CUDA device")
+        self.piecewise = PiecewiseGraphRunner(self, max_tokens)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -205,9 +216,13 @@ class ModelRunner:
             batch.input_ids = self.last_tokens[batch.req_pool_indices]
         if batch.table_inputs is not None:  # a mixed batch's decode inputs still in flight
             batch.input_ids[batch.table_inputs[0]] = self.last_tokens[batch.table_inputs[1]]  # type: ignore[index]
-        batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch)  # [num_tokens, hidden]
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            hidden, written = self.piecewise.replay(batch)
+            batch.scratch.update(written)
+        else:
+            batch.attn_backend = self.attn_backend
+            self.attn_backend.init_forward_metadata(batch)
+            hidden = self.model(batch)  # [num_tokens, hidden]
         if self.keep_states:
             self.step_states = batch.scratch.get("aux_hidden", hidden)
         return hidden[batch.last_token_indices() if token_indices is None else token_indices]

@@ -1,0 +1,127 @@
+"""Piecewise CUDA graphs vs eager on extend steps of a random-weight Gemma 3 shape: prefill chunks of
+64..4096 tokens (captured token counts and padded ones) and mixed steps (running decodes plus a
+prefill chunk). Per step: time off/on (CUDA events around the whole step, host work included:
+launch overhead is what the pieces remove) and whether the final hidden states of every token are
+bit-identical between the two paths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import hardware, random_model  # noqa: E402
+
+DECODE_CONTEXT = 700  # tokens each running request holds when a mixed step decodes it
+
+
+class Steps:
+    """Builds extend batches over table rows and pool slots taken straight from the runtime (no
+    scheduler): every repetition of a step writes the same K/V to the same slots."""
+
+    def __init__(self, engine):
+        self.engine, self.rt, self.runner = engine, engine._runtime, engine.runner
+        self.vocab = engine.model_config.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+
+    def request(self, n: int) -> tuple[int, torch.Tensor]:
+        row = self.rt.req_to_token.alloc()
+        slots = self.engine.allocator.alloc(n)
+        assert row is not None and slots is not None, "raise --kv-mb"
+        self.rt.req_to_token.write(row, 0, slots)
+        return row, slots.cpu()
+
+    def batch(self, parts: list[tuple[int, torch.Tensor, int, int]]):
+        """`parts`: (row, slots, prefix, new tokens) per request."""
+        from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+
+        ids, pos, locs = [], [], []
+        for _row, slots, prefix, n in parts:
+            ids += torch.randint(1, self.vocab, (n,), generator=self.gen).tolist()
+            pos += list(range(prefix, prefix + n))
+            locs.append(slots[prefix: prefix + n])
+        return ForwardBatch.build(ForwardMode.EXTEND, ids, pos, [p[0] for p in parts], [p[2] + p[3] for p in parts],
+                                  torch.cat(locs), self.runner.device, [p[2] for p in parts], [p[3] for p in parts])
+
+    def run(self, parts, piecewise, pw, repeats: int) -> tuple[float, torch.Tensor]:
+        """Median step ms and the final hidden states of every token (last repetition)."""
+        self.runner.piecewise = pw if piecewise else None
+        times = []
+        for i in range(repeats + 2):
+            torch.manual_seed(0)
+            self.gen.manual_seed(0)
+            batch = self.batch(parts)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            hidden = self.runner.forward_hidden(batch)
+            self.runner.greedy_tokens(hidden)
+            end.record()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2], self.runner.step_states.clone()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--chunks", default="64,100,128,256,300,512,1000,1024,2048,3000,4096")
+    ap.add_argument("--mixed", default="8+56,32+32,64+64,100+156,128+384,200+300,256+768",
+                    help="DECODES+CHUNK per mixed step")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--kv-mb", type=int, default=12288)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--json", help="append one JSON line per step here")
+    a = ap.parse_args()
+    from swaserve.engine import Engine
+
+    dev = torch.device("cuda")
+    loaded = random_model(a.shape, dev, torch.bfloat16)
+    engine = Engine(loaded, device=dev, dtype=torch.bfloat16, max_running_requests=320, max_prefill_tokens=4096,
+                    max_context=8192, disable_cuda_graph=True, kv_cache_bytes=a.kv_mb << 20, enable_piecewise_cuda_graph=True,
+                    enable_deterministic_inference=a.deterministic)
+    steps = Steps(engine)
+    pw = engine.runner.piecewise
+    engine.runner.keep_states = True
+    cases = []
+    for n in (int(x) for x in a.chunks.split(",")):
+        row, slots = steps.request(n)
+        cases.append((f"prefill {n}", [(row, slots, 0, n)]))
+    mixed = [tuple(int(x) for x in spec.split("+")) for spec in a.mixed.split(",")]
+    decodes = [steps.request(DECODE_CONTEXT + 1) for _ in range(max(d for d, _ in mixed))]
+    steps.runner.piecewise = None
+    for i in range(0, len(decodes), 4):  # their context, written once (eagerly, 4 requests a step)
+        steps.runner.forward_hidden(steps.batch([(r, s, 0, DECODE_CONTEXT) for r, s in decodes[i:i + 4]]))
+    for d, c in mixed:
+        row, slots = steps.request(c)
+        cases.append((f"mixed {d}+{c}", [(r, s, DECODE_CONTEXT, 1) for r, s in decodes[:d]] + [(row, slots, 0, c)]))
+    rows = []
+    for name, parts in cases:
+        T = sum(p[3] for p in parts)
+        N = next(s for s in pw.sizes if s >= T)
+        off, h_off = steps.run(parts, False, pw, a.repeats)
+        on, h_on = steps.run(parts, True, pw, a.repeats)
+        r = dict(shape=a.shape, step=name, tokens=T, padded_to=N, eager_ms=round(off, 3), piecewise_ms=round(on, 3),
+                 speedup=round(off / on, 2), bit_identical=bool(torch.equal(h_off, h_on)),
+                 max_abs_diff=float((h_off.float() - h_on.float()).abs().max()),
+                 deterministic=a.deterministic, hardware=hardware())
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps(r) + "\n")
+    mode = "deterministic" if a.deterministic else "default"
+    print(f"\npiecewise CUDA graphs, {a.shape} bf16, {mode} mode, {hardware()}")
+    print(f"{'step':>18} {'tokens':>6} {'graph':>6} {'eager ms':>9} {'pieces ms':>9} {'x':>5}  bit-identical")
+    for r in rows:
+        print(f"{r['step']:>18} {r['tokens']:>6} {r['padded_to']:>6} {r['eager_ms']:>9.3f} {r['piecewise_ms']:>9.3f} "
+              f"{r['speedup']:>5.2f}  {r['bit_identical']} ({r['max_abs_diff']:.2g})")
+
+
+if __name__ == "__main__":
+    main()

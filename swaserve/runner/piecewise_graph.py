@@ -1,0 +1,246 @@
+"""PiecewiseGraphRunner: extend steps (prefill chunks, mixed prefill+decode steps) of up to
+`max_tokens` tokens run as CUDA graphs in pieces, cut at every attention call.
+
+For each captured token count N the model forward is recorded as L+1 graphs: embedding to the first
+attention, then one graph from each attention's output to the next attention's input, and the last
+one through the final norm. Attention itself, whose work depends on the requests (their prefixes,
+windows and table rows), runs eagerly between the replays on the live tokens only, with metadata
+built for the live batch.
+
+Cut protocol (`_Cut`, the backend the captured model sees): a layer's q/k/v are copied into static
+staging buffers at the end of its piece, attention reads them and writes the static output buffer
+that the next piece reads. Staging and output buffers are shared by all layers (one per width), so
+they cost a few rows of one layer, not a copy of every layer's activations.
+
+Padding rules (DESIGN.md §4, padded *tokens*): a live step of T tokens runs in the smallest captured
+N >= T. Tokens T..N-1 carry token 0 at position 0 with `out_cache_loc` 0, so the SWA write location
+translated from it in-graph is 0 too: a fused K/V store writes them to slot 0 of both pools only;
+they route to no expert (`moe_routed_rows`), attention never reads or computes them, and their
+attention output rows are zeroed every replay. Every static input is rewritten on every replay, and
+the SWA locations are translated inside the first piece, so nothing memoised survives a step.
+
+`capture=False` runs the same padded program eagerly, attention inline at each cut (the CPU tests
+of these rules, and the reference for the captured form).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from swaserve.attention.base import AttentionBackend, AttentionSpec
+    from swaserve.runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+PIECEWISE_MAX_TOKENS = 4096  # larger steps run eagerly: their launches are a small share of their time
+
+
+def piecewise_token_sizes(max_tokens: int) -> list[int]:
+    """8, 16, 32, 64, then powers of two and 1.5x between them, up to max_tokens (always included):
+    a live step pads by less than half of its size."""
+    sizes = [n for n in (8, 16, 32) if n < max_tokens]
+    n = 64
+    while n < max_tokens:
+        sizes += [s for s in (n, n * 3 // 2) if s < max_tokens]
+        n *= 2
+    return sizes + [max_tokens]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One attention call of the captured forward: what the eager attention between pieces needs."""
+
+    spec: AttentionSpec
+    sinks: torch.Tensor | None
+    kv_stored: bool
+    has_k: bool
+    has_v: bool
+
+
+@dataclass
+class _PieceMetadata:
+    """The static batch's metadata: only where a fused K/V store inside a piece writes SWA layers."""
+
+    swa_out_cache_loc: torch.Tensor | None
+
+
+class _Stage:
+    """Static `[rows, width]` buffers keyed by width, shared by every layer of that width."""
+
+    def __init__(self, rows: int, dtype: torch.dtype, device: torch.device):
+        self.rows, self.dtype, self.device = rows, dtype, device
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def view(self, n: int, heads: int, dim: int) -> torch.Tensor:
+        w = heads * dim
+        if w not in self.buffers:
+            self.buffers[w] = torch.zeros(self.rows, w, dtype=self.dtype, device=self.device)
+        return self.buffers[w][:n].view(n, heads, dim)
+
+
+class _Cut:
+    """The attention backend the piecewise program sees. `forward` stages q/k/v, hands the site to
+    `on_cut` (capture: close this piece's graph and open the next; eager: attend now) and returns the
+    static output the next piece reads. `kv_target` and `fused_kv_store` are the real backend's, over
+    the static batch, so a fused K/V store is recorded inside the piece."""
+
+    def __init__(self, real: AttentionBackend, runner: PiecewiseGraphRunner):
+        self.real, self.runner = real, runner
+        self.fused_kv_store = real.fused_kv_store
+        self.on_cut: Callable[[Site, int], None] = lambda site, n: None
+        self.sites: list[Site] = []
+
+    def kv_target(self, spec: AttentionSpec, batch: ForwardBatch):
+        return self.real.kv_target(spec, batch)
+
+    def forward(self, q, k, v, spec, batch, sinks=None, kv_stored=False) -> torch.Tensor:
+        n, r = q.shape[0], self.runner
+        r.q_stage.view(n, spec.num_heads, spec.head_dim).copy_(q)
+        if k is not None:
+            r.k_stage.view(n, spec.num_kv_heads, spec.head_dim).copy_(k)
+        if v is not None:
+            r.v_stage.view(n, spec.num_kv_heads, spec.v_head_dim).copy_(v)
+        site = Site(spec, sinks, kv_stored, k is not None, v is not None)
+        self.sites.append(site)
+        self.on_cut(site, n)
+        return r.out_stage.view(n, spec.num_heads, spec.v_head_dim)
+
+
+class PiecewiseGraphRunner:
+    """`replay(batch)` runs an extend batch of at most `max_tokens` tokens through the pieces of the
+    smallest captured size that holds it and returns the final hidden states `[num_tokens, hidden]`
+    of every live token, with the scratch outputs the model wrote (`aux_hidden`), both views valid
+    until the next replay."""
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, capture: bool = True):
+        self.runner = runner
+        self.model = runner.model
+        self.backend = runner.attn_backend
+        self.full_to_swa = runner.attn_backend.full_to_swa
+        self.sizes = piecewise_token_sizes(max_tokens)
+        n, dev = self.sizes[-1], runner.device
+        # Host-given per-token inputs as rows (input id, position, full-pool slot): one copy a step.
+        self.tokens = torch.zeros(3, n, dtype=torch.int64, device=dev)  # [3, N] int64
+        # [N] bool, derived in-graph: live tokens, the ones whose slot is not the reserved slot 0
+        self.live = torch.zeros(n, dtype=torch.bool, device=dev)
+        self._row0 = torch.zeros(1, dtype=torch.int64, device=dev)  # request-level placeholders
+        self._len1 = torch.ones(1, dtype=torch.int32, device=dev)
+        self.swa_out_cache_loc = (torch.zeros(n, dtype=torch.int32, device=dev)
+                                  if self.full_to_swa is not None else None)  # [N] int32, SWA pool
+        self.q_stage, self.k_stage, self.v_stage, self.out_stage = (
+            _Stage(n, runner.dtype, dev) for _ in range(4))
+        self.cut = _Cut(self.backend, self)
+        self.capture = capture
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.sites: dict[int, list[Site]] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        if capture:
+            self._capture()
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (not batch.is_decode and batch.num_tokens <= self.sizes[-1]
+                and not self.runner.extend_scratch_inputs)
+
+    @torch.inference_mode()
+    def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        T = batch.num_tokens
+        n = next(s for s in self.sizes if s >= T)
+        assert batch.input_ids is not None and self.can_run(batch), "can_run() must be checked first"
+        self.tokens[:, T:n].zero_()
+        self.tokens[:, :T].copy_(torch.stack([batch.input_ids, batch.positions, batch.out_cache_loc]))
+        for stage in self.out_stage.buffers.values():
+            stage[T:n].zero_()  # padded tokens' attention output: zero, never a gone step's
+        batch.attn_backend = self.backend
+        self.backend.init_forward_metadata(batch)
+
+        def attend(site: Site, m: int) -> None:
+            self._attend(site, m, batch)
+
+        if not self.capture:
+            self.cut.on_cut = attend
+            hidden, written = self._run_once(n)
+        else:
+            graphs, sites = self.graphs[n], self.sites[n]
+            for i, graph in enumerate(graphs):
+                graph.replay()
+                if i < len(sites):
+                    attend(sites[i], n)
+            hidden, written = self.outputs[n]
+        return hidden[:T], {k: v[:T] for k, v in written.items()}
+
+    def _attend(self, site: Site, n: int, batch: ForwardBatch) -> None:
+        """The eager attention of one cut over the live tokens of `batch`, into the static output."""
+        T, spec = batch.num_tokens, site.spec
+        q = self.q_stage.view(n, spec.num_heads, spec.head_dim)[:T]
+        k = self.k_stage.view(n, spec.num_kv_heads, spec.head_dim)[:T] if site.has_k else None
+        v = self.v_stage.view(n, spec.num_kv_heads, spec.v_head_dim)[:T] if site.has_v else None
+        out = self.backend.forward(q, k, v, spec, batch, site.sinks, site.kv_stored)
+        self.out_stage.view(n, spec.num_heads, spec.v_head_dim)[:T].copy_(out)
+
+    def _static_batch(self, n: int) -> ForwardBatch:
+        """The batch the pieces read: n tokens from the static buffers, SWA locations translated
+        from the live slots (recorded in the first piece). Request-level fields are placeholders:
+        only attention reads them, and attention runs on the live batch."""
+        swa = None
+        if self.swa_out_cache_loc is not None:
+            assert self.full_to_swa is not None
+            swa = self.swa_out_cache_loc[:n]
+            torch.index_select(self.full_to_swa, 0, self.tokens[2, :n], out=swa)
+        torch.ne(self.tokens[2, :n], 0, out=self.live[:n])
+        fb = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=self.tokens[0, :n], positions=self.tokens[1, :n],
+                          req_pool_indices=self._row0, seq_lens=self._len1, out_cache_loc=self.tokens[2, :n],
+                          seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n],
+                          swa_out_cache_loc=swa)
+        fb.attn_backend = self.cut  # type: ignore[assignment]
+        fb.attn_metadata = _PieceMetadata(swa)
+        fb.scratch["moe_routed_rows"] = self.live[:n]
+        return fb
+
+    def _run_once(self, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self.cut.sites = []
+        fb = self._static_batch(n)
+        hidden = self.model(fb)
+        return hidden, {k: fb.scratch[k] for k in ("aux_hidden",) if k in fb.scratch}
+
+    def _capture(self) -> None:
+        """Per size, largest first, two eager warm-ups (attention skipped: the static inputs are all
+        padding) and then the pieces, every graph in one shared pool: only one size's pieces replay
+        at a time, in the order they were captured."""
+        dev = self.runner.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        pool = None
+        for n in reversed(self.sizes):
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                self.cut.on_cut = lambda site, m: None
+                for _ in range(2):
+                    self._run_once(n)
+                stream.synchronize()
+                pieces: list[torch.cuda.CUDAGraph] = []
+
+                def next_piece(site: Site | None = None, m: int = 0) -> None:
+                    nonlocal pool
+                    if pieces:
+                        pieces[-1].capture_end()
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=pool)
+                    pool = graph.pool() if pool is None else pool
+                    pieces.append(graph)
+
+                next_piece()
+                self.cut.on_cut = next_piece
+                self.outputs[n] = self._run_once(n)
+                pieces[-1].capture_end()
+            self.graphs[n], self.sites[n] = pieces, self.cut.sites
+        torch.cuda.synchronize(dev)
+        log.info("captured piecewise CUDA graphs (%d pieces) for token counts %s",
+                 len(self.graphs[self.sizes[-1]]), self.sizes)

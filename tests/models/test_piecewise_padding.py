@@ -1,0 +1,149 @@
+"""The piecewise graph's padded program (`PiecewiseGraphRunner`, run eagerly on the CPU: attention
+inline at each cut) against the plain eager extend path, through the real scheduler in its mixed
+policy: prefill chunks (small budget, so prompts are chunked and cross the window), mixed steps that
+carry every running decode plus chunks, batches that shrink and grow so the static buffers hold the
+tokens, slots and positions of steps that are gone. Each step: the same hidden states for every
+token, the same sampled tokens, the same K/V of every live request in both pools. Free slots and
+slot 0 start poisoned (NaN), so a padded token that writes a live slot, or a live token that reads a
+padded one, cannot go unnoticed (NaN, or a wrong token: the CPU's GEMMs may round a row 1e-5 apart at
+M=24 and at the padded M=32, hence the 1e-4 tolerance). Deterministic mode, whose GEMMs do not depend on M, must give
+bit-identical states on every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import hf_greedy, make_hf_model
+from test_decode_graph_padding import live_kv
+
+from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
+from swaserve.loader.hf_dir import load_model_from_dir
+from swaserve.request import SamplingParams
+from swaserve.runner.launcher import StepLauncher
+from swaserve.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
+from swaserve.runtime import build_runtime
+from swaserve.scheduler.req import Req
+
+BUDGET = 24  # tokens per step: prompts of up to 30 tokens take two chunks
+
+
+def make_runtime(path, backend: str, padded: bool, deterministic: bool, device: str, dtype: torch.dtype):
+    """`padded`: extend steps through PiecewiseGraphRunner (captured on a GPU, its program run eagerly
+    on the CPU); else the plain eager extend path."""
+    config, model = load_model_from_dir(path, device, dtype)
+    cache = CacheConfig(kv_cache_bytes=1 << 20, swa_full_tokens_ratio=0.5, swa_evict_margin=0, swa_evict_chunk=1,
+                        disable_prefix_cache=True)
+    sched = SchedulerConfig(max_running_requests=16, max_prefill_tokens=BUDGET)
+    runner = RunnerConfig(attention_backend=backend, disable_cuda_graph=True,
+                          enable_deterministic_inference=deterministic)
+    rt = build_runtime(config, model, torch.device(device), dtype, cache, sched, runner)
+    if padded:  # full steps pad 24 -> 32
+        rt.runner.piecewise = PiecewiseGraphRunner(rt.runner, BUDGET + 16, capture=device == "cuda")
+    for pool in (rt.kv.full, rt.kv.swa):  # everything free, slot 0 included, poisoned
+        if pool is None:
+            continue
+        for i in range(pool.num_layers):
+            pool.k_buffer(i).fill_(float("nan"))
+            pool.v_buffer(i).fill_(float("nan"))
+    return rt
+
+
+def run_lockstep(family: str, path, backend: str, deterministic: bool = False, tol: float = 1e-4,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, same_tokens: bool = True) -> dict:
+    """Asserts the rules above (tokens only with `same_tokens`: in bf16 a near-tie may flip between the
+    two GEMM shapes, and the run then stops there) and returns counts, with the bit-identical steps."""
+    hf = make_hf_model(family, path, seed=3)  # windows of 8-12
+    vocab = hf.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    waves = [(0, 3, 6), (0, 2, 9), (2, 3, 4), (5, 1, 8), (7, 2, 6), (9, 1, 5), (12, 2, 7)]  # (step, requests, max_tokens)
+    reqs = []
+    for step, n, max_tokens in waves:
+        for _ in range(n):
+            ids = torch.randint(1, vocab, (int(torch.randint(3, 31, (1,), generator=g)),), generator=g).tolist()
+            reqs.append((step, f"r{len(reqs)}", ids, max_tokens))
+    first = reqs[0]
+    truth = hf_greedy(hf, first[2], first[3])[1]
+    eager, padded = (make_runtime(path, backend, p, deterministic, device, dtype) for p in (False, True))
+    launchers = {id(rt): StepLauncher(rt.runner) for rt in (eager, padded)}
+    replays: list[int] = []
+    replay = padded.runner.piecewise.replay
+    padded.runner.piecewise.replay = lambda batch: replays.append(batch.num_tokens) or replay(batch)
+    states: dict[int, torch.Tensor] = {}
+    for rt in (eager, padded):
+        rt.runner.keep_states = True
+    added: dict[int, dict[str, Req]] = {id(eager): {}, id(padded): {}}
+    steps, bit_identical, mixed, diverged = 0, 0, 0, None
+    for phase in range(80):
+        for step, rid, ids, max_tokens in reqs:
+            if step == phase:
+                params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                for rt in (eager, padded):
+                    req = added[id(rt)][rid] = Req(rid, rid, 0, len(ids), list(ids), params, 0, frozenset())
+                    rt.scheduler.add(req)
+        if not eager.scheduler.has_unfinished():
+            break
+        seen = []
+        for rt in (eager, padded):
+            batch = rt.scheduler.schedule()
+            tokens, lps = launchers[id(rt)].launch(batch).wait()
+            states[id(rt)] = rt.runner.step_states.clone()
+            rt.scheduler.process_output(batch, tokens, lps)
+            seen.append((batch.mode.value, [r.rid for r in batch.reqs], batch.extend_lens, tokens))
+        if seen[0] != seen[1]:
+            assert not same_tokens, f"step {phase}: the runtimes diverge"
+            diverged = phase
+            break
+        steps += 1
+        mode, _, ext, _ = seen[0]
+        mixed += mode == "extend" and 1 in ext and max(ext) > 1
+        h_e, h_p = states[id(eager)], states[id(padded)]
+        bit_identical += bool(torch.equal(h_e, h_p))
+        torch.testing.assert_close(h_p.float(), h_e.float(), rtol=tol, atol=tol)
+        kv_e, kv_p = live_kv(eager), live_kv(padded)
+        assert kv_e.keys() == kv_p.keys()
+        for rid in kv_e:
+            for a, b in zip(kv_e[rid], kv_p[rid]):
+                assert not torch.isnan(b.float()).any(), f"{rid}: a live K/V row is poisoned (step {phase})"
+                torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol,
+                                           msg=f"{rid}: K/V differ at step {phase}")
+        padded.scheduler.check_integrity()
+    stats = {"family": family, "device": device, "dtype": str(dtype), "backend": backend,
+             "deterministic": deterministic, "steps": steps, "bit_identical_steps": bit_identical,
+             "replayed_token_counts": replays, "mixed_steps": mixed, "diverged_at_step": diverged}
+    if diverged is not None:
+        return stats
+    assert not eager.scheduler.has_unfinished()
+    sizes = piecewise_token_sizes(BUDGET + 16)
+    assert len(replays) >= 3 and any(n not in sizes for n in replays), f"padded token counts {replays}"
+    assert mixed > 0, "some step carried decodes and a prefill chunk together"
+    for rt in (eager, padded):
+        rt.scheduler.check_integrity()
+        full = rt.allocator.full if hasattr(rt.allocator, "full") else rt.allocator
+        used_swa = rt.allocator.swa_used() if hasattr(rt.allocator, "swa_used") else 0
+        assert full.used() == 0 and used_swa == 0, "both pools empty"
+    assert added[id(padded)]["r0"].output_ids == truth, "HF's greedy tokens for the first prompt"
+    return stats
+
+
+def test_token_sizes():
+    assert piecewise_token_sizes(4096)[:8] == [8, 16, 32, 64, 96, 128, 192, 256]
+    assert piecewise_token_sizes(4096)[-3:] == [2048, 3072, 4096]
+    assert piecewise_token_sizes(100) == [8, 16, 32, 64, 96, 100]
+    assert piecewise_token_sizes(5) == [5]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mimo_v2_flash", "gemma4_moe"])
+def test_padded_pieces_match_eager(tmp_path, family):
+    run_lockstep(family, tmp_path, "torch_native")
+
+
+def test_padded_pieces_fused_store_match_eager(tmp_path):
+    """The Triton backend (interpreted): q/k norm, rotary and the K/V store run fused inside the
+    piece over the padded tokens, which must write slot 0 only."""
+    pytest.importorskip("triton")
+    run_lockstep("gemma3", tmp_path, "triton")
+
+
+def test_padded_pieces_bit_identical_in_deterministic_mode(tmp_path):
+    stats = run_lockstep("gemma3", tmp_path, "torch_native", deterministic=True, tol=0.0)
+    assert stats["bit_identical_steps"] == stats["steps"], stats
