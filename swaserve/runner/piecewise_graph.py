@@ -218,28 +218,33 @@ class PiecewiseGraphRunner:
         dev = self.runner.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        pool = None
+        pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
+            pieces: list[torch.cuda.CUDAGraph] = []
+            open_piece = False
+
+            def next_piece(site: Site | None = None, m: int = 0) -> None:
+                nonlocal open_piece
+                if open_piece:
+                    pieces[-1].capture_end()
+                    open_piece = False
+                pieces.append(torch.cuda.CUDAGraph())
+                pieces[-1].capture_begin(pool=pool)
+                open_piece = True
+
             with torch.inference_mode(), torch.cuda.stream(stream):
                 self.cut.on_cut = lambda site, m: None
                 for _ in range(2):
                     self._run_once(n)
                 stream.synchronize()
-                pieces: list[torch.cuda.CUDAGraph] = []
-
-                def next_piece(site: Site | None = None, m: int = 0) -> None:
-                    nonlocal pool
-                    if pieces:
+                try:
+                    next_piece()
+                    self.cut.on_cut = next_piece
+                    self.outputs[n] = self._run_once(n)
+                finally:
+                    if open_piece:  # also on an error: leave no stream capturing
                         pieces[-1].capture_end()
-                    graph = torch.cuda.CUDAGraph()
-                    graph.capture_begin(pool=pool)
-                    pool = graph.pool() if pool is None else pool
-                    pieces.append(graph)
-
-                next_piece()
-                self.cut.on_cut = next_piece
-                self.outputs[n] = self._run_once(n)
-                pieces[-1].capture_end()
+                self.cut.on_cut = lambda site, m: None
             self.graphs[n], self.sites[n] = pieces, self.cut.sites
         torch.cuda.synchronize(dev)
         log.info("captured piecewise CUDA graphs (%d pieces) for token counts %s",
