@@ -31,7 +31,7 @@ class Steps:
     def request(self, n: int) -> tuple[int, torch.Tensor]:
         row = self.rt.req_to_token.alloc()
         slots = self.engine.allocator.alloc(n)
-        assert row is not None and slots is not None, "raise --kv-mb"
+        assert row is not None and slots is not None, "raise --kv-mb"  # (nothing is evicted here)
         self.rt.req_to_token.write(row, 0, slots)
         return row, slots.cpu()
 
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--mixed", default="8+56,32+32,64+64,100+156,128+384,200+300,256+768",
                     help="DECODES+CHUNK per mixed step")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--kv-mb", type=int, default=12288)
+    ap.add_argument("--kv-mb", type=int, default=16384)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--json", help="append one JSON line per step here")
     a = ap.parse_args()
@@ -83,7 +83,7 @@ def main() -> None:
     dev = torch.device("cuda")
     loaded = random_model(a.shape, dev, torch.bfloat16)
     engine = Engine(loaded, device=dev, dtype=torch.bfloat16, max_running_requests=320, max_prefill_tokens=4096,
-                    max_context=8192, disable_cuda_graph=True, kv_cache_bytes=a.kv_mb << 20, enable_piecewise_cuda_graph=True,
+                    max_context=8192, disable_cuda_graph=True, kv_cache_bytes=a.kv_mb << 20, swa_full_tokens_ratio=1.0, enable_piecewise_cuda_graph=True,
                     enable_deterministic_inference=a.deterministic)
     steps = Steps(engine)
     pw = engine.runner.piecewise

@@ -121,7 +121,9 @@ for step in "${steps[@]}"; do
             shape=${step#pw_}
             det=""
             [ "$shape" = 1b_det ] && shape=1b det=--deterministic
-            run "$step" 400 python3 benchmarks/piecewise.py --shape "$shape" $det ;;
+            kv=16384
+            [ "$shape" = 4b ] && kv=36864
+            run "$step" 400 python3 benchmarks/piecewise.py --shape "$shape" --kv-mb $kv $det ;;
         mimo_serve)  # issue 22: MiMo-V2 reduced shape, 200 @ 128 through the server, decode + piecewise graphs
             d=$(model_dir mimo-6l)
             run mimo_serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \

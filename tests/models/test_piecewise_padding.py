@@ -121,7 +121,8 @@ def run_lockstep(family: str, path, backend: str, deterministic: bool = False, t
         full = rt.allocator.full if hasattr(rt.allocator, "full") else rt.allocator
         used_swa = rt.allocator.swa_used() if hasattr(rt.allocator, "swa_used") else 0
         assert full.used() == 0 and used_swa == 0, "both pools empty"
-    assert added[id(padded)]["r0"].output_ids == truth, "HF's greedy tokens for the first prompt"
+    if dtype is torch.float32:  # (bf16 parts from HF's fp32 run: both runtimes do, identically)
+        assert added[id(padded)]["r0"].output_ids == truth, "HF's greedy tokens for the first prompt"
     return stats
 
 
