@@ -70,7 +70,7 @@ class Steps:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="1b")
-    ap.add_argument("--chunks", default="64,100,128,256,300,512,1000,1024,2048,3000,4096")
+    ap.add_argument("--chunks", default="64,100,128,256,300,512,1000,1024,1500,2048")
     ap.add_argument("--mixed", default="8+56,32+32,64+64,100+156,128+384,200+300,256+768",
                     help="DECODES+CHUNK per mixed step")
     ap.add_argument("--repeats", type=int, default=10)

@@ -231,9 +231,10 @@ class RunnerConfig:
     attention_backend: str | None = _opt(None, "attention backend (default: triton on CUDA, torch_native elsewhere)",
                                          choices=("triton", "torch_native"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on the GPU")
-    enable_piecewise_cuda_graph: bool = _opt(
-        False, "also capture prefill chunks and mixed steps (up to 4096 tokens) as CUDA graphs in pieces between "
-        "attention calls (CUDA only)")
+    enable_piecewise_cuda_graph: bool | None = _opt(
+        None, "capture prefill chunks and mixed steps of up to 2048 tokens as CUDA graphs in pieces between "
+        "attention calls (default: on where decode runs in CUDA graphs); --no-enable-piecewise-cuda-graph runs "
+        "them eagerly", aliases=("--disable-piecewise-cuda-graph",))
     enable_cpu_graph: bool = _opt(False, "torch.compile the CPU decode step (~1.2x faster steps, ~100 s longer start)")
     overlap_schedule: bool | None = _opt(
         None, "schedule step N+1 while N runs (default: on for CUDA); --no-overlap-schedule waits for each step",

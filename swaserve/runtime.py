@@ -126,8 +126,9 @@ def build_runtime(
 
 def start_runner(rt: Runtime, runner_cfg: RunnerConfig, sched: SchedulerConfig,
                  verify: tuple[int, int] | None = None) -> None:
-    """Capture the decode graphs (and, with `verify` = (max batch, tokens per request), the
-    speculative verify graphs) and warm the kernels up, before the first request."""
+    """Capture the decode graphs, the piecewise graphs of extend steps (and, with `verify` = (max
+    batch, tokens per request), the speculative verify graphs) and warm the kernels up, before the
+    first request."""
     runner, device = rt.runner, rt.runner.device
     use_graphs = (device.type == "cuda" and not runner_cfg.disable_cuda_graph) or (
         device.type == "cpu" and runner_cfg.enable_cpu_graph
@@ -136,7 +137,8 @@ def start_runner(rt: Runtime, runner_cfg: RunnerConfig, sched: SchedulerConfig,
         runner.enable_decode_graphs(sched.max_running_requests)
         if verify is not None and device.type == "cuda" and not runner.deterministic:
             runner.enable_verify_graphs(min(verify[0], sched.max_running_requests), verify[1])
-    if runner_cfg.enable_piecewise_cuda_graph:
+    piecewise = runner_cfg.enable_piecewise_cuda_graph
+    if piecewise or (piecewise is None and use_graphs and device.type == "cuda"):
         runner.enable_piecewise_graphs(min(sched.max_prefill_tokens, PIECEWISE_MAX_TOKENS))
     if device.type == "cuda":
         runner.warmup()  # the prefill kernels' JIT compiles, before the first request

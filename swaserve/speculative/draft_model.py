@@ -50,7 +50,9 @@ class DraftModelDrafter:
 
         sched = SchedulerConfig(max_running_requests=target_sched.max_running_requests,
                                 max_prefill_tokens=target_sched.max_prefill_tokens, max_context=target.max_context)
-        runner = RunnerConfig(load_format=load_format)  # dummy target (benchmarks): a dummy draft too
+        # dummy target (benchmarks): a dummy draft too. Its extend steps are catch-ups of a few
+        # tokens (verify-shaped graphs) and prompt prefills: no piecewise graphs.
+        runner = RunnerConfig(load_format=load_format, enable_piecewise_cuda_graph=False)
         loaded, config = load_engine_model(model, device, dtype, sched, runner)
         if config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({config.vocab_size}) differs from the target's "

@@ -57,7 +57,7 @@ def head_runtime(config: ModelConfig, head: Any, kv_heads: int, kv_width: int, t
     need = (sched.max_running_requests + 1) * target.max_context * kv_heads * kv_width
     budget = min((256 << 20) if device.type == "cpu" else (4 << 30), 2 * need * dtype.itemsize + (8 << 20))
     cache: CacheConfig = CacheConfig(kv_cache_bytes=budget, disable_prefix_cache=True)
-    runner_cfg = RunnerConfig()
+    runner_cfg = RunnerConfig(enable_piecewise_cuda_graph=False)  # its extends carry state inputs: verify graphs
     rt = build_runtime(config, head, device, dtype, cache, sched, runner_cfg, start=False)
     rt.runner.decode_scratch_inputs, rt.runner.extend_scratch_inputs, rt.runner.scratch_outputs = scratch
     return rt, lambda: start_runner(rt, runner_cfg, sched, verify=verify)
