@@ -148,3 +148,15 @@ def test_padded_pieces_fused_store_match_eager(tmp_path):
 def test_padded_pieces_bit_identical_in_deterministic_mode(tmp_path):
     stats = run_lockstep("gemma3", tmp_path, "torch_native", deterministic=True, tol=0.0)
     assert stats["bit_identical_steps"] == stats["steps"], stats
+
+
+def test_option_on_cpu(tmp_path):
+    """Default: no piecewise graphs on the CPU (nothing to capture); asked for explicitly: a clear error."""
+    make_hf_model("gemma3", tmp_path, seed=0)
+    config, model = load_model_from_dir(tmp_path, "cpu", torch.float32)
+    cache, sched = CacheConfig(kv_cache_bytes=1 << 20), SchedulerConfig(max_prefill_tokens=64, max_context=256)
+    rt = build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched, RunnerConfig())
+    assert rt.runner.piecewise is None
+    with pytest.raises(ValueError, match="piecewise CUDA graphs need a CUDA device"):
+        build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched,
+                      RunnerConfig(enable_piecewise_cuda_graph=True))
