@@ -180,14 +180,25 @@ def _cpu_seconds(pid: int) -> tuple[float, float]:
 
 
 def server_processes(server_pid: int) -> dict[str, int]:
-    """{"frontend": pid, "core": pid} of a running `python -m swaserve.server` (the core is its child)."""
+    """{"frontend": pid, "core": pid} of a running `python -m swaserve.server` (the core is its child).
+    With `--api-server-count N` the server process only supervises: "frontend", "frontend1", ... are
+    its frontend children."""
     try:
-        children = open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()
+        children = [int(c) for c in open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()]
     except OSError:
         children = []
-    procs = {"frontend": server_pid}
-    if children:
-        procs["core"] = int(children[0])
+    procs, frontends = {"frontend": server_pid}, []
+    for pid in children:
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"swaserve.core" in cmd:
+            procs.setdefault("core", pid)
+        elif b"multiprocessing" in cmd and b"resource_tracker" not in cmd:
+            frontends.append(pid)
+    for i, pid in enumerate(frontends):
+        procs["frontend" if i == 0 else f"frontend{i}"] = pid
     return procs
 
 
@@ -270,7 +281,8 @@ def print_table(rows: list[dict], offline_tps: float) -> None:
 
 
 def launch(args: argparse.Namespace, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "swaserve.server", "--port", "0", "--stream-interval", str(args.stream_interval)]
+    cmd = [sys.executable, "-m", "swaserve.server", "--port", "0", "--stream-interval", str(args.stream_interval),
+           "--api-server-count", str(args.api_server_count)]
     for flag in ("model", "device", "dtype"):
         if getattr(args, flag):
             cmd += [f"--{flag}", getattr(args, flag)]
@@ -315,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals, req/s (default: all at once)")
     p.add_argument("--clients", type=int, default=4, help="load-generator processes")
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--api-server-count", type=int, default=1, help="frontend processes of the served runs")
     p.add_argument("--modes", default="generate,offline,stream,nonstream",
                    help="generate: offline with finished-only outputs (LLM.generate's way, the ratio's base); "
                         "offline: every step's outputs read (per-token timings)")
@@ -371,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     # The base: offline with finished-only outputs where run (LLM.generate's throughput), else per-token.
     offline_tps = rows[0]["output_tok_s"] if rows and rows[0]["path"].startswith("offline") else float("nan")
     config = {k: getattr(args, k) for k in ("model", "num_requests", "input_len", "output_len", "max_tokens",
-                                            "clients", "stream_interval", "seed")}
+                                            "clients", "stream_interval", "api_server_count", "seed")}
     config["request_rate"] = None if args.request_rate == float("inf") else args.request_rate
     config["engine_options"] = opts
     hardware = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": _device_name(args.device)}

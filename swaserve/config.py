@@ -219,6 +219,8 @@ class ServerConfig:
     stream_interval: int = _opt(1, "tokens per SSE chunk (larger: fewer, bigger chunks; the last is sent at once)")
     chat_template: str | None = _opt(None, "Jinja chat template FILE for models without one (or `gemma`: the "
                                      "built-in Gemma turn format); chat without a template is an error")
+    api_server_count: int = _opt(1, "HTTP frontend processes sharing the port, each tokenizing, detokenizing and "
+                                 "streaming its own requests (more than one when one frontend's CPU is the limit)")
     data_parallel_size: int = _opt(1, "independent engine replicas (one engine-core process each; on CUDA replica i "
                                    "runs on the i-th GPU); a new request goes to the one with the fewest in flight")
 

@@ -91,6 +91,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("max_body_bytes must be >= 1")
     if config.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {config.data_parallel_size}")
+    if config.api_server_count < 1:
+        raise ValueError(f"api_server_count must be >= 1, got {config.api_server_count}")
     return config
 
 

@@ -50,22 +50,24 @@ class EngineCore:
     """Drives one engine: the only thread that touches it.
 
     Loop: take every input that arrived (without waiting while there is work), step the engine once
-    (`step_deltas()`: what the step added, no cumulative outputs), send one `StepOutputs` with every
-    request's new token ids (detokenizing is the frontend's job). Engine requests are single
-    sequences (the frontend splits n). Invariant: `_live` holds the requests added and not yet
-    finished, aborted or failed; nothing is reported for a request outside it. The loop ends on `Shutdown`, or when the frontend
-    (`parent_pid`) is gone, so no orphan core keeps holding the device.
+    (`step_deltas()`: what the step added, no cumulative outputs), send each frontend one
+    `StepOutputs` with the new token ids of its requests (detokenizing is the frontend's job).
+    Engine requests are single sequences (the frontend splits n). Invariant: `_live` maps the
+    requests added and not yet finished, aborted or failed to the frontend that sent them (an index
+    into `outboxes`); nothing is reported for a request outside it. The loop ends on `Shutdown`, or
+    when the parent (`parent_pid`: the frontend, or the process that started the frontends) is gone,
+    so no orphan core keeps holding the device.
     """
 
-    def __init__(self, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None):
+    def __init__(self, engine: Any, inbox: zmq.Socket, outboxes: list[zmq.Socket], parent_pid: int | None):
         self.engine = engine
-        self.inbox, self.outbox = inbox, outbox
+        self.inbox, self.outboxes = inbox, outboxes
         self.parent_pid = parent_pid
         self.codec = Codec()
-        self._live: set[str] = set()  # requests added and not yet finished, aborted or failed
-        self._accepted: list[str] = []
-        self._rejected: list[Rejected] = []
-        self._failed: list[str] = []
+        self._live: dict[str, int] = {}  # request -> its frontend, from add to finish, abort or failure
+        self._accepted: list[tuple[int, str]] = []  # (frontend, request) since the last message
+        self._rejected: list[tuple[int, Rejected]] = []
+        self._failed: list[tuple[int, str]] = []
         self._changed = False
 
     def run(self) -> None:
@@ -91,7 +93,7 @@ class EngineCore:
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("engine core: the frontend is gone; exiting")
                     return
-            deltas: list[RequestDelta] = []
+            deltas: list[tuple[int, RequestDelta]] = []
             poll_ms = 0
             if self.engine.has_unfinished():
                 t0 = time.monotonic()
@@ -123,7 +125,7 @@ class EngineCore:
                 self._add(msg)
             elif isinstance(msg, AbortRequests):
                 for rid in msg.request_ids:
-                    self._live.discard(rid)
+                    self._live.pop(rid, None)
                     self.engine.abort(rid)
             elif isinstance(msg, Shutdown):
                 return False
@@ -131,45 +133,63 @@ class EngineCore:
     def _add(self, msg: AddRequest) -> None:
         from swaserve.request import SamplingParams
 
+        frontend = msg.frontend if 0 <= msg.frontend < len(self.outboxes) else 0
         try:
             self.engine.add_request(msg.request_id, msg.prompt_ids, SamplingParams(**msg.sampling))
         except ValueError as e:
-            self._rejected.append(Rejected(msg.request_id, 400, str(e)))
+            self._rejected.append((frontend, Rejected(msg.request_id, 400, str(e))))
             return
         except Exception:
             logger.exception("add_request failed")
-            self._rejected.append(Rejected(msg.request_id, 500, "internal engine error"))
+            self._rejected.append((frontend, Rejected(msg.request_id, 500, "internal engine error")))
             return
-        self._live.add(msg.request_id)
-        self._accepted.append(msg.request_id)
+        self._live[msg.request_id] = frontend
+        self._accepted.append((frontend, msg.request_id))
 
-    def _deltas(self, seqs: list[Any]) -> list[RequestDelta]:
-        """The step's `SeqDelta`s as messages, without those of requests aborted while it ran."""
+    def _deltas(self, seqs: list[Any]) -> list[tuple[int, RequestDelta]]:
+        """The step's `SeqDelta`s as messages with their frontends, without those of requests aborted
+        while it ran."""
         live = self._live
         deltas = []
         for d in seqs:
-            if d.request_id not in live:
+            frontend = live.get(d.request_id)
+            if frontend is None:
                 continue
             if d.finish_reason is not None:
-                live.discard(d.request_id)
-            deltas.append(RequestDelta(d.request_id, d.token_ids, d.logprobs, d.finish_reason, d.cached_tokens, d.seed,
-                                       d.spec))
+                del live[d.request_id]
+            deltas.append((frontend, RequestDelta(d.request_id, d.token_ids, d.logprobs, d.finish_reason,
+                                                  d.cached_tokens, d.seed, d.spec)))
         return deltas
 
     def _fail_all(self) -> None:
-        for rid in list(self._live):
-            self._failed.append(rid)
+        for rid, frontend in list(self._live.items()):
+            self._failed.append((frontend, rid))
             try:
                 self.engine.abort(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)
         self._live.clear()
 
-    def _send(self, deltas: list[RequestDelta]) -> None:
-        msg = StepOutputs(deltas, self._accepted, self._rejected, self._failed, counters(self.engine))
+    def _send(self, deltas: list[tuple[int, RequestDelta]]) -> None:
+        """One `StepOutputs` to every frontend: its requests' news and the engine's counters."""
+        snap = counters(self.engine)
+        if len(self.outboxes) == 1:
+            msgs = [StepOutputs([d for _, d in deltas], [r for _, r in self._accepted],
+                                [r for _, r in self._rejected], [r for _, r in self._failed], snap)]
+        else:
+            msgs = [StepOutputs([], [], [], [], snap) for _ in self.outboxes]
+            for f, d in deltas:
+                msgs[f].deltas.append(d)
+            for f, rid in self._accepted:
+                msgs[f].accepted.append(rid)
+            for f, rej in self._rejected:
+                msgs[f].rejected.append(rej)
+            for f, rid in self._failed:
+                msgs[f].failed.append(rid)
         self._accepted, self._rejected, self._failed = [], [], []
         self._changed = False
-        self.outbox.send(self.codec.encode(msg))
+        for outbox, msg in zip(self.outboxes, msgs):
+            outbox.send(self.codec.encode(msg))
 
 
 def counters(engine: Any) -> dict[str, int]:
@@ -185,36 +205,51 @@ def counters(engine: Any) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m swaserve.core", description="Run one engine core.")
     parser.add_argument("--spec", required=True, help="CoreSpec as JSON")
-    parser.add_argument("--input", required=True, help="ZeroMQ address the frontend pushes inputs to")
-    parser.add_argument("--output", required=True, help="ZeroMQ address the core pushes outputs to")
+    parser.add_argument("--input", required=True, action="append",
+                        help="ZeroMQ address a frontend (or the supervisor) pushes inputs to (repeatable)")
+    parser.add_argument("--output", required=True, action="append",
+                        help="ZeroMQ address the core pushes outputs to, one per frontend, in frontend order")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = parser.parse_args(argv)
-    # Ctrl-C reaches the whole process group; the frontend decides when the core stops (Shutdown).
+    # Ctrl-C, and a SIGTERM sent to the whole process group (`timeout`, systemd's default stop), reach
+    # the core too: the frontend decides when it stops (Shutdown, after draining its requests), and
+    # it exits by itself when its parent is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.dup2(2, 1)  # stdout belongs to the frontend (its startup line); anything printed here goes to stderr
     logging.basicConfig(level=logging.WARNING, format="swaserve core: %(levelname)s %(message)s")
     ctx = zmq.Context()
-    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.connect(args.input)
-    outbox.connect(args.output)
+    inbox = ctx.socket(zmq.PULL)
+    for addr in args.input:
+        inbox.connect(addr)  # inputs from every frontend, fair-queued
+    outboxes = [ctx.socket(zmq.PUSH) for _ in args.output]
+    for outbox, addr in zip(outboxes, args.output):
+        outbox.connect(addr)
     codec = Codec()
+
+    def tell_all(msg: Any) -> None:
+        for outbox in outboxes:
+            outbox.send(codec.encode(msg))
+
     try:
         engine = msgspec.json.decode(args.spec, type=CoreSpec).build()
     except Exception as e:
         if not isinstance(e, ValueError):
             logger.exception("engine core failed to start")
-        outbox.send(codec.encode(StartupFailed(type(e).__name__, str(e))))
-        outbox.close(linger=2000)
+        tell_all(StartupFailed(type(e).__name__, str(e)))
+        for outbox in outboxes:
+            outbox.close(linger=2000)
         return 1
     name = getattr(engine, "model_name", None) or "swaserve"
-    outbox.send(codec.encode(Ready(name, int(engine.model_config.max_context), os.getpid())))
+    tell_all(Ready(name, int(engine.model_config.max_context), os.getpid()))
     try:
-        EngineCore(engine, inbox, outbox, args.parent_pid).run()
+        EngineCore(engine, inbox, outboxes, args.parent_pid).run()
     finally:
         if hasattr(engine, "close"):
             engine.close()  # the other tensor-parallel ranks, if any
     inbox.close(linger=0)
-    outbox.close(linger=1000)
+    for outbox in outboxes:
+        outbox.close(linger=1000)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 Frontend -> core: `AddRequest`, `AbortRequests`, `Shutdown`. Core -> frontend: `Ready` (or
 `StartupFailed`) once, then one `StepOutputs` per engine step (every request's new tokens in one
-message), or after inputs that changed something while no step ran.
+message), or after inputs that changed something while no step ran. With several frontend processes
+(`--api-server-count`) each has its own pair of sockets to the core, and each step's message to a
+frontend carries only the requests it sent (and the engine's counters).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams keywords; stop strings stay in the frontend (it detokenizes)
+    frontend: int = 0  # which frontend process sent it (`--api-server-count`): its outputs go back there
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -62,9 +62,13 @@ class CorePool:
     same replica (`pick()` once, then `add()` each); inputs about a request (its abort) go to its replica.
     """
 
-    def __init__(self, specs: list[CoreSpec]):
+    def __init__(self, specs: list[CoreSpec], endpoints: list[tuple[str, str]] | None = None):
+        """`endpoints`: (input, output) addresses per replica of cores another process starts (this
+        frontend is one of several, `--api-server-count`); None: this pool starts its cores."""
         assert specs, "at least one replica"
-        self.cores = [CoreProcess(spec) for spec in specs]
+        assert endpoints is None or len(endpoints) == len(specs)
+        self.cores = [CoreProcess(spec, endpoints[i] if endpoints is not None else None)
+                      for i, spec in enumerate(specs)]
         self.in_flight = [0] * len(specs)
 
     def __len__(self) -> int:
@@ -81,7 +85,8 @@ class CorePool:
         deadline = time.monotonic() + timeout
         try:
             for core in self.cores:
-                core.launch()
+                if not core.attached:
+                    core.launch()
             while len(ready) < len(self.cores):
                 for i, core in enumerate(self.cores):
                     if i not in ready and (msg := core.poll_ready(20)) is not None:

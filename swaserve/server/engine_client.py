@@ -64,9 +64,13 @@ class EngineClient:
 
     def __init__(self, spec: CoreSpec, tokenizer: Any, metrics: ServerMetrics | None = None,
                  stream_interval: int = 1, on_fatal: Callable[[], None] | None = None,
-                 data_parallel_size: int = 1):
+                 data_parallel_size: int = 1, frontend: int = 0,
+                 endpoints: list[tuple[str, str]] | None = None):
+        """`frontend`, `endpoints`: this process's index among several frontends and its (input, output)
+        addresses to each replica's core, which another process starts (`server/frontends.py`)."""
         self.spec = spec
         self.data_parallel_size = data_parallel_size
+        self.frontend, self.endpoints = frontend, endpoints
         self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics()
         self.stream_interval = max(1, int(stream_interval))
@@ -87,7 +91,9 @@ class EngineClient:
     def start_core(self) -> None:
         """Start the engine cores and wait until all are ready (before the HTTP server starts); ValueError
         for a bad `data_parallel_size` (more replicas than GPUs) or bad engine input."""
-        pool = CorePool(replica_specs(self.spec, self.data_parallel_size))
+        specs = ([self.spec] * len(self.endpoints) if self.endpoints is not None  # started elsewhere
+                 else replica_specs(self.spec, self.data_parallel_size))
+        pool = CorePool(specs, self.endpoints)
         ready = pool.start()  # kills every core it started if one fails
         self.cores, self.snapshots = pool, [{} for _ in range(len(pool))]
         self.model_name, self.max_context = ready.model_name, ready.max_context
@@ -150,7 +156,7 @@ class EngineClient:
             self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica)
             sampling = {k: v for k, v in sub.sampling.items() if k != "stop"}
             sampling["max_tokens"] = params.max_tokens
-            cores.add(replica, AddRequest(sub.request_id, ids, sampling))
+            cores.add(replica, AddRequest(sub.request_id, ids, sampling, self.frontend))
         return gen
 
     def abort(self, request_id: str) -> None:
@@ -188,7 +194,7 @@ class EngineClient:
         except Exception:
             logger.exception("reading the engine core's outputs failed")
         if not self._stopping and not self.core_died:  # one death fails everything once
-            code = core.proc.returncode if core.proc is not None else None
+            code = core.returncode
             logger.error("the engine core died (replica %d of %d, exit code %s); failing every open request",
                          replica, len(self.snapshots), code)
             self.core_died = True

@@ -34,12 +34,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None) -> tuple[uvicorn.Server, socket.socket]:
-    """Start the engine cores (`config.data_parallel_size` replicas of `core`; waiting until all are
-    ready) and return a ready-to-run uvicorn server with its bound socket (port 0 picks a free port).
-    Run it with `server.run(sockets=[sock])` (any thread; signals are handled only in the main one).
-    If a core dies, every open request fails, the server stops, and `server.config.app.state.exit_code`
-    is 1. ValueError: more replicas than GPUs, or bad engine input."""
+def make_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None, frontend: int = 0,
+                endpoints: list[tuple[str, str]] | None = None) -> uvicorn.Server:
+    """A ready-to-run uvicorn server over the engine cores: started here (`config.data_parallel_size`
+    replicas of `core`, waiting until all are ready), or, with `endpoints` ((input, output) per
+    replica), cores another process started, this process being frontend number `frontend`. If a core
+    dies, every open request fails, the server stops, and `server.config.app.state.exit_code` is 1.
+    ValueError: more replicas than GPUs, or bad engine input."""
     from swaserve.server.app import create_app
     from swaserve.server.engine_client import EngineClient
 
@@ -51,7 +52,7 @@ def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = N
         holder["server"].should_exit = True
 
     client = EngineClient(core, tokenizer, stream_interval=cfg.stream_interval, on_fatal=on_fatal,
-                          data_parallel_size=cfg.data_parallel_size)
+                          data_parallel_size=cfg.data_parallel_size, frontend=frontend, endpoints=endpoints)
     client.start_core()
     try:
         app = create_app(client, served_model_name=cfg.served_model_name, api_key=cfg.api_key,
@@ -63,9 +64,21 @@ def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = N
             ws="none", server_header=False,
         )
         holder["server"] = uvicorn.Server(uv_config)
-        return holder["server"], bind_socket(cfg.host, cfg.port)
+        return holder["server"]
     except BaseException:
         client.stop_cores(5.0)
+        raise
+
+
+def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None) -> tuple[uvicorn.Server, socket.socket]:
+    """`make_server` (starting the engine cores) and its bound socket (port 0 picks a free port). Run it
+    with `server.run(sockets=[sock])` (any thread; signals are handled only in the main one)."""
+    cfg = config or ServerConfig()
+    server = make_server(core, tokenizer, cfg)
+    try:
+        return server, bind_socket(cfg.host, cfg.port)
+    except BaseException:
+        server.config.app.state.engine_client.stop_cores(5.0)
         raise
 
 
@@ -74,6 +87,10 @@ def run_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = Non
     timeout, then cancel them), stop the engine cores, release the port. Returns the exit code: 0, or 1
     when an engine core died."""
     cfg = config or ServerConfig()
+    if cfg.api_server_count > 1:
+        from swaserve.server.frontends import run_frontends
+
+        return run_frontends(core, tokenizer, cfg)
     server, sock = build_server(core, tokenizer, cfg)
     app = cast("FastAPI", server.config.app)
     print(f"swaserve: serving {app.state.model_name!r} on http://{cfg.host}:{sock.getsockname()[1]}", flush=True)
