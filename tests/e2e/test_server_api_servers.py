@@ -1,7 +1,8 @@
 """Several frontend processes behind one port (`--api-server-count 2`) over one engine core (FakeEngine):
 requests from many clients at once all complete and the pools come back to zero, disconnects free memory
 across the processes, the engine core killed mid-stream gives every client an error and the server
-exits non-zero, a frontend killed stops the whole server, SIGTERM drains in-flight requests."""
+exits non-zero, a frontend killed stops the whole server, the supervisor killed leaves no orphan, SIGTERM
+drains in-flight requests."""
 
 from __future__ import annotations
 
@@ -184,3 +185,21 @@ def test_sigterm_drains_every_frontend():
         assert _port_free(port)
     finally:
         _stop(proc)
+
+
+def test_supervisor_killed_leaves_no_orphans():
+    proc, port = _spawn("--api-server-count", "2")
+    frontends, cores = [], []
+    try:
+        frontends, cores = _layout(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while not all(_gone(p) for p in frontends + cores) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(p) for p in frontends + cores), "orphaned frontend or engine core"
+    finally:
+        _stop(proc)
+        for p in frontends + cores:
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
