@@ -19,6 +19,9 @@ from swaserve.core.engine_core import CoreSpec
 from swaserve.core.messages import Codec, Ready, Shutdown, StartupFailed, ToCore
 
 
+INPUT_CONNECT_TIMEOUT_MS = 30_000
+
+
 class CoreStartupError(RuntimeError):
     """The engine core exited or failed before it was ready."""
 
@@ -114,6 +117,10 @@ class CoreProcess:
         if self.outputs.poll(timeout_ms):
             msg = self.codec.decode_from_core(self.outputs.recv())
             if isinstance(msg, Ready):
+                # The core connects to our input socket asynchronously (it may have tried before we
+                # bound it): until that pipe is up, a send would fail. Ready is when both are.
+                if not self._inputs.poll(INPUT_CONNECT_TIMEOUT_MS, zmq.POLLOUT):
+                    raise CoreStartupError("the engine core is ready but never connected to its input socket")
                 self._pid = msg.pid
                 return msg
             if isinstance(msg, StartupFailed):
