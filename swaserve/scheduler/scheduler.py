@@ -4,8 +4,7 @@ freeing every step, prefix-cache reuse, and retraction when memory runs out."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,20 +14,13 @@ from swaserve.memory.window import SWAEvictor
 from swaserve.prefix_cache import RadixCache
 from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
+from swaserve.scheduler.integrity import check_scheduler, owned_slots
 from swaserve.scheduler.prefix import PrefixSharing
 from swaserve.scheduler.req import Req, ReqStatus
+from swaserve.scheduler.slots import SlotAllocator, SlotBudget
 
 if TYPE_CHECKING:
     from swaserve.scheduler.speculate import Speculation
-
-
-class SlotAllocator(Protocol):
-    size: int
-
-    def alloc(self, n: int) -> torch.Tensor | None: ...
-    def free(self, slots: torch.Tensor) -> None: ...
-    def available(self) -> int: ...
-    def check_integrity(self, owned_full: torch.Tensor | None = None) -> None: ...
 
 
 class Scheduler:
@@ -78,6 +70,7 @@ class Scheduler:
         self._arrivals = 0
         self.prefix = (PrefixSharing(prefix_cache, req_to_token, evictor)
                        if prefix_cache is not None else None)
+        self.slots = SlotBudget(allocator, evictor, self.prefix)
         self.speculation: Speculation | None = None  # set by the engine (scheduler/speculate.py)
         self.generated_total = 0  # output tokens committed
 
@@ -124,9 +117,9 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.commit()
             self.prefix.release_swa_locks((*self.running, *mid))
-        self._evict_due(self.running)
+        self.slots.evict_due(self.running)
         if mid:
-            self._evict_due(mid)
+            self.slots.evict_due(mid)
         budget = self.config.max_prefill_tokens
         if self.config.schedule_policy == "prefill_first":
             return self._schedule_extend(budget) or self._schedule_decode()
@@ -161,8 +154,8 @@ class Scheduler:
                 # chunk counts there).
                 m = self.prefix.match(req) if self.prefix is not None else 0
                 reserve = len(self.running)
-                n = min(req.pending - m, budget, self._available() - reserve)
-                if (self._full_available() - reserve < req.pending - m or n <= 0
+                n = min(req.pending - m, budget, self.slots.available() - reserve)
+                if (self.slots.full_available() - reserve < req.pending - m or n <= 0
                         or (self.prefix is not None and self.prefix.should_wait(req, m, reqs))):
                     if self.prefix is not None:
                         self.prefix.unmatch(req)
@@ -172,10 +165,10 @@ class Scheduler:
                 if self.prefix is not None:
                     self.prefix.start(req)
             else:
-                n = min(req.pending, budget, self._available())
+                n = min(req.pending, budget, self.slots.available())
                 if n <= 0:
                     break
-            slots = self._alloc(n)
+            slots = self.slots.alloc(n)
             self.table.write(req.row, req.kv_len, slots)
             reqs.append(req)
             prefix.append(req.kv_len)
@@ -208,7 +201,7 @@ class Scheduler:
             verify = self.speculation.schedule(self, reqs)
             if verify is not None:
                 return verify
-        while self._available() < len(reqs):
+        while self.slots.available() < len(reqs):
             if len(reqs) > 1:
                 victim = reqs.pop()
                 self.running.remove(victim)
@@ -221,7 +214,7 @@ class Scheduler:
                 assert len(reqs) < len(self.running), "a lone request always fits (checked at admission)"
                 return None
         bs = len(reqs)
-        slots = self._alloc(bs)
+        slots = self.slots.alloc(bs)
         prefix = [r.kv_len for r in reqs]
         self.table.write_tokens([r.row for r in reqs], prefix, slots)  # type: ignore[misc]
         for r in reqs:
@@ -253,32 +246,10 @@ class Scheduler:
             if r.finish_reason is not None:
                 self._finish(r)
             progressed.append(r)
-        self._evict_due(batch.reqs)
+        self.slots.evict_due(batch.reqs)
         return progressed
 
     # -- memory ------------------------------------------------------------------------------
-
-    def _full_available(self) -> int:
-        free = getattr(self.allocator, "full", self.allocator).available()
-        return free + self.prefix.cache.full_evictable if self.prefix is not None else free
-
-    def _swa_free(self) -> int | None:
-        swa = getattr(self.allocator, "swa", None)
-        return swa.available() if swa is not None else None
-
-    def _available(self) -> int:
-        """Slots an allocation can get: free ones, plus unlocked prefix cache it would evict."""
-        if self.prefix is None:
-            return self.allocator.available()
-        return self.prefix.available(getattr(self.allocator, "full", self.allocator).available(), self._swa_free())
-
-    def _alloc(self, n: int) -> torch.Tensor:
-        slots = self.allocator.alloc(n)
-        if slots is None and self.prefix is not None:
-            self.prefix.make_room(n, getattr(self.allocator, "full", self.allocator).available(), self._swa_free())
-            slots = self.allocator.alloc(n)
-        assert slots is not None, "allocated more than _available()"
-        return slots
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix no running request holds."""
@@ -286,24 +257,6 @@ class Scheduler:
             from swaserve.prefix_cache import evict_all
 
             evict_all(self.prefix.cache)
-
-    def _evict_due(self, reqs: Sequence[Req]) -> None:
-        """Free out-of-window SWA slots of `reqs` that have a chunk's worth due. Positions below
-        kv_len belong to launched steps; a slot one of them still reads may be handed out again,
-        since every write to it is enqueued after that step."""
-        if self.evictor is None:
-            return
-        due = self.evictor.threshold
-        ready = [r for r in reqs if r.kv_len - r.swa_evicted >= due and r.row is not None and not r.finished]
-        if ready:
-            if self.prefix is None:
-                items = [(r.row, r.kv_len, r.swa_evicted) for r in ready]
-            else:
-                free = self._swa_free() or 0
-                items = [(r.row, self.prefix.evict_point(r, free), r.swa_evicted) for r in ready]
-            new = self.evictor.evict_many(items)  # type: ignore[arg-type]
-            for r, evicted in zip(ready, new):
-                r.swa_evicted = evicted
 
     def _release(self, req: Req) -> None:
         if self.speculation is not None:
@@ -338,28 +291,8 @@ class Scheduler:
 
     def owned_slots(self) -> torch.Tensor:
         """Every full slot held: requests' own positions and the prefix cache's nodes."""
-        held = [self.table.slots(r.row, r.cache_len, r.kv_len) for r in (*self.waiting, *self.running) if r.row is not None]
-        if self.prefix is not None:
-            held.append(self.prefix.cache.owned_slots())
-        return torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+        return owned_slots(self)
 
     def check_integrity(self) -> None:
         """Pools consistent with exactly the slots the live requests hold; queues consistent."""
-        self.allocator.check_integrity(self.owned_slots())
-        self.table.check_integrity()
-        rows = [r.row for r in (*self.waiting, *self.running) if r.row is not None]
-        assert sorted(rows) == self.table.live_rows(), "request table rows leaked or shared"
-        mid = [r for r in self.waiting if r.kv_len > 0]
-        assert len(mid) <= 1 and (not mid or mid[0] is self.waiting[0]), "more than one mid-prefill request"
-        assert all(r.status is ReqStatus.RUNNING and r.pending == 1 for r in self.running)
-        assert all(0 <= r.inflight <= 2 for r in (*self.waiting, *self.running)), "one token per launched step"
-        live = [r for r in (*self.waiting, *self.running) if r.row is not None]
-        for r in live:
-            assert self.table.clear_from(r.row, r.kv_len), f"{r.rid}: table entries past its K/V length"  # type: ignore[arg-type]
-        if self.prefix is not None:
-            self.prefix.check_integrity(live)
-        if self.evictor is not None:  # the keys every request's next query attends are in the SWA pool
-            table = self.allocator.full_to_swa  # type: ignore[attr-defined]
-            for r in live:
-                need = self.table.slots(r.row, max(0, r.kv_len - self.evictor.window + 1), r.kv_len)  # type: ignore[arg-type]
-                assert bool((table[need] > 0).all()), f"{r.rid}: an SWA slot its next query reads was freed"
+        check_scheduler(self)

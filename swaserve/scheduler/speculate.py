@@ -63,9 +63,9 @@ class Speculation:
         drafts = self.drafter.propose(reqs, ks) if any(ks) else [[] for _ in reqs]
         drafts = [d[:k] for d, k in zip(drafts, ks)]
         need = len(reqs) + sum(len(d) for d in drafts)
-        if not any(drafts) or sched._available() < need:
+        if not any(drafts) or sched.slots.available() < need:
             return None
-        slots = sched._alloc(need)
+        slots = sched.slots.alloc(need)
         prefix = [r.kv_len for r in reqs]
         lens = [1 + len(d) for d in drafts]
         rows = [r.row for r, n in zip(reqs, lens) for _ in range(n)]
@@ -115,7 +115,7 @@ class Speculation:
         for r in progressed:
             if r.finish_reason is not None:
                 sched._finish(r)
-        sched._evict_due(batch.reqs)
+        sched.slots.evict_due(batch.reqs)
         return progressed
 
     @staticmethod
