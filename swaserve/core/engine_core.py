@@ -91,7 +91,7 @@ class EngineCore:
             if now - last_parent_check > IDLE_POLL_MS / 1000:
                 last_parent_check = now
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                    logger.warning("engine core: the frontend is gone; exiting")
+                    logger.warning("engine core: its parent (the frontend or their supervisor) is gone; exiting")
                     return
             deltas: list[tuple[int, RequestDelta]] = []
             poll_ms = 0
