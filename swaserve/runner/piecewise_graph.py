@@ -89,6 +89,10 @@ class _Stage:
         return self.buffers[w][:n].view(n, heads, dim)
 
 
+def _skip_attention(site: Site, n: int) -> None:
+    """The cut of a warm-up run: the static output keeps what it holds (the inputs are all padding)."""
+
+
 class _Cut:
     """The attention backend the piecewise program sees. `forward` stages q/k/v, hands the site to
     `on_cut` (capture: close this piece's graph and open the next; eager: attend now) and returns the
@@ -98,7 +102,7 @@ class _Cut:
     def __init__(self, real: AttentionBackend, runner: PiecewiseGraphRunner):
         self.real, self.runner = real, runner
         self.fused_kv_store = real.fused_kv_store
-        self.on_cut: Callable[[Site, int], None] = lambda site, n: None
+        self.on_cut: Callable[[Site, int], None] = _skip_attention
         self.sites: list[Site] = []
 
     def kv_target(self, spec: AttentionSpec, batch: ForwardBatch):
@@ -222,32 +226,31 @@ class PiecewiseGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(dev))
         pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
-            pieces: list[torch.cuda.CUDAGraph] = []
-            open_piece = False
-
-            def next_piece(site: Site | None = None, m: int = 0) -> None:
-                nonlocal open_piece
-                if open_piece:
-                    pieces[-1].capture_end()
-                    open_piece = False
-                pieces.append(torch.cuda.CUDAGraph())
-                pieces[-1].capture_begin(pool=pool)
-                open_piece = True
-
             with torch.inference_mode(), torch.cuda.stream(stream):
-                self.cut.on_cut = lambda site, m: None
                 for _ in range(2):
                     self._run_once(n)
                 stream.synchronize()
-                try:
-                    next_piece()
-                    self.cut.on_cut = next_piece
-                    self.outputs[n] = self._run_once(n)
-                finally:
-                    if open_piece:  # also on an error: leave no stream capturing
-                        pieces[-1].capture_end()
-                self.cut.on_cut = lambda site, m: None
-            self.graphs[n], self.sites[n] = pieces, self.cut.sites
+                self.graphs[n] = self._capture_pieces(n, pool)
+            self.sites[n] = self.cut.sites
         torch.cuda.synchronize(dev)
         log.info("captured piecewise CUDA graphs (%d pieces) for token counts %s",
                  len(self.graphs[self.sizes[-1]]), self.sizes)
+
+    def _capture_pieces(self, n: int, pool: tuple[int, int]) -> list[torch.cuda.CUDAGraph]:
+        """One forward of size n recorded as a new graph at every cut (on the current stream)."""
+        pieces: list[torch.cuda.CUDAGraph] = []
+
+        def next_piece(site: Site | None = None, m: int = 0) -> None:
+            if pieces:
+                pieces[-1].capture_end()
+            pieces.append(torch.cuda.CUDAGraph())
+            pieces[-1].capture_begin(pool=pool)
+
+        next_piece()
+        self.cut.on_cut = next_piece
+        try:
+            self.outputs[n] = self._run_once(n)
+        finally:  # also on an error: leave no stream capturing
+            pieces[-1].capture_end()
+            self.cut.on_cut = _skip_attention
+        return pieces

@@ -6,10 +6,12 @@ drains in-flight requests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -54,6 +56,20 @@ def _wait_idle(port: int, timeout: float = 15.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _first_chunk(port: int, max_tokens: int) -> Iterator[Iterator[str]]:
+    """A streamed completion once its first SSE chunk has come: the rest of its lines; leaving the
+    block hangs up."""
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "fake-model", "prompt": "go", "max_tokens": max_tokens, "stream": True,
+                  "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        yield lines
+
+
 def _stop(proc) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -88,13 +104,8 @@ def test_two_frontends_serve_many_clients():
 
         # a client that goes away mid-stream frees its memory in the core, whichever frontend it used
         for _ in range(4):
-            with httpx.Client(timeout=30) as http, http.stream(
-                    "POST", f"http://127.0.0.1:{port}/v1/completions",
-                    json={"model": "fake-model", "prompt": "bye", "max_tokens": 400, "stream": True,
-                          "ignore_eos": True}) as r:
-                lines = r.iter_lines()
-                while not next(lines).startswith("data: "):
-                    pass
+            with _first_chunk(port, 400):
+                pass
         m = _wait_idle(port)
         assert m["swaserve_requests_running"] == 0 and m['swaserve_kv_used_tokens{pool="full"}'] == 0
     finally:
@@ -108,13 +119,7 @@ def test_core_killed_fails_every_request_on_every_frontend():
 
     def stream() -> None:
         try:
-            with httpx.Client(timeout=60) as http, http.stream(
-                    "POST", f"http://127.0.0.1:{port}/v1/completions",
-                    json={"model": "fake-model", "prompt": "go", "max_tokens": 480, "stream": True,
-                          "ignore_eos": True}) as r:
-                lines = r.iter_lines()
-                while not next(lines).startswith("data: "):
-                    pass
+            with _first_chunk(port, 480) as lines:
                 started.wait()
                 tail = [line for line in lines if line]
             results.append("error" if any('"error"' in t for t in tail) else f"no error: {tail[-2:]}")
@@ -141,7 +146,7 @@ def test_core_killed_fails_every_request_on_every_frontend():
 
 
 def test_frontend_killed_stops_the_server():
-    proc, port = _spawn("--api-server-count", "2")
+    proc, _ = _spawn("--api-server-count", "2")
     try:
         frontends, cores = _layout(proc.pid)
         os.kill(frontends[0], signal.SIGKILL)
@@ -188,7 +193,7 @@ def test_sigterm_drains_every_frontend():
 
 
 def test_supervisor_killed_leaves_no_orphans():
-    proc, port = _spawn("--api-server-count", "2")
+    proc, _ = _spawn("--api-server-count", "2")
     frontends, cores = [], []
     try:
         frontends, cores = _layout(proc.pid)

@@ -28,11 +28,19 @@ def make_runtime(path, graphs: bool, compile_backend: str):
     rt = build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched, RunnerConfig())
     if graphs:
         rt.runner.graph_runner = CpuGraphRunner(rt.runner, 16, compile_backend=compile_backend)
-    for pool in (rt.kv.full, rt.kv.swa):  # everything free, slot 0 included, starts poisoned
+    poison_pools(rt)
+    return rt
+
+
+def poison_pools(rt) -> None:
+    """NaN in every K/V slot of both pools (call while everything is free: slot 0 included), so a
+    padded row or token that writes a live slot, or a live one that reads a padded slot, shows."""
+    for pool in (rt.kv.full, rt.kv.swa):
+        if pool is None:
+            continue
         for i in range(pool.num_layers):
             pool.k_buffer(i).fill_(float("nan"))
             pool.v_buffer(i).fill_(float("nan"))
-    return rt
 
 
 def step(rt) -> tuple[str, list[int]]:
@@ -61,6 +69,16 @@ def live_kv(rt) -> dict[str, tuple[torch.Tensor, ...]]:
             *[kv.swa.v_buffer(i)[swa_slots] for i in range(kv.swa.num_layers)],
         )
     return out
+
+
+def assert_same_live_kv(eager, padded, tol: float, step: int) -> None:
+    """Both runtimes hold the same live requests with the same K/V in both pools, none poisoned."""
+    kv_e, kv_p = live_kv(eager), live_kv(padded)
+    assert kv_e.keys() == kv_p.keys()
+    for rid in kv_e:
+        for a, b in zip(kv_e[rid], kv_p[rid]):
+            assert not torch.isnan(b.float()).any(), f"{rid}: a live K/V row is poisoned (step {step})"
+            torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol, msg=f"{rid}: K/V differ at step {step}")
 
 
 # Not bit-exact: a CPU GEMM may round a row differently at M=9 than at the padded M=16 (seen with

@@ -11,10 +11,12 @@ bit-identical states on every step."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from families import hf_greedy, make_hf_model
-from test_decode_graph_padding import live_kv
+from test_decode_graph_padding import assert_same_live_kv, poison_pools
 
 from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
 from swaserve.loader.hf_dir import load_model_from_dir
@@ -39,12 +41,7 @@ def make_runtime(path, backend: str, padded: bool, deterministic: bool, device: 
     rt = build_runtime(config, model, torch.device(device), dtype, cache, sched, runner)
     if padded:  # full steps pad 24 -> 32
         rt.runner.piecewise = PiecewiseGraphRunner(rt.runner, BUDGET + 16, capture=device == "cuda")
-    for pool in (rt.kv.full, rt.kv.swa):  # everything free, slot 0 included, poisoned
-        if pool is None:
-            continue
-        for i in range(pool.num_layers):
-            pool.k_buffer(i).fill_(float("nan"))
-            pool.v_buffer(i).fill_(float("nan"))
+    poison_pools(rt)  # everything free (after any capture), slot 0 included
     return rt
 
 
@@ -99,13 +96,7 @@ def run_lockstep(family: str, path, backend: str, deterministic: bool = False, t
         h_e, h_p = states[id(eager)], states[id(padded)]
         bit_identical += bool(torch.equal(h_e, h_p))
         torch.testing.assert_close(h_p.float(), h_e.float(), rtol=tol, atol=tol)
-        kv_e, kv_p = live_kv(eager), live_kv(padded)
-        assert kv_e.keys() == kv_p.keys()
-        for rid in kv_e:
-            for a, b in zip(kv_e[rid], kv_p[rid]):
-                assert not torch.isnan(b.float()).any(), f"{rid}: a live K/V row is poisoned (step {phase})"
-                torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol,
-                                           msg=f"{rid}: K/V differ at step {phase}")
+        assert_same_live_kv(eager, padded, tol, phase)
         padded.scheduler.check_integrity()
     stats = {"family": family, "device": device, "dtype": str(dtype), "backend": backend,
              "deterministic": deterministic, "steps": steps, "bit_identical_steps": bit_identical,
@@ -160,3 +151,49 @@ def test_option_on_cpu(tmp_path):
     with pytest.raises(ValueError, match="piecewise CUDA graphs need a CUDA device"):
         build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched,
                       RunnerConfig(enable_piecewise_cuda_graph=True))
+
+
+def test_capture_protocol(tmp_path, monkeypatch):
+    """The capture sequencing, on the CPU with CUDA's graph API stubbed: per size, after its warm-ups,
+    L+1 pieces, each begun and ended once in order (a cut at every attention call between them), all
+    in one pool, and the size's output of n rows kept."""
+    events: list[str] = []
+
+    class Graph:
+        def capture_begin(self, pool=None):
+            assert pool == "pool" and (not events or events[-1] in ("end", "run")), events[-3:]
+            events.append("begin")
+
+        def capture_end(self):
+            assert events[-1] == "begin", events[-3:]
+            events.append("end")
+
+        def replay(self):
+            events.append("replay")
+
+    class Stream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+        def synchronize(self):
+            events.append("run")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    make_hf_model("gemma3", tmp_path, seed=0)
+    config, model = load_model_from_dir(tmp_path, "cpu", torch.float32)
+    rt = build_runtime(config, model, torch.device("cpu"), torch.float32, CacheConfig(kv_cache_bytes=1 << 20),
+                       SchedulerConfig(max_prefill_tokens=32, max_context=256), RunnerConfig())
+    pw = PiecewiseGraphRunner(rt.runner, 32)
+    layers = config.hf_config.num_hidden_layers
+    assert sorted(pw.graphs) == piecewise_token_sizes(32)
+    assert all(len(pw.graphs[n]) == layers + 1 and len(pw.sites[n]) == layers for n in pw.sizes)
+    assert events.count("begin") == events.count("end") == len(pw.sizes) * (layers + 1)
+    assert all(isinstance(pw.outputs[n][0], torch.Tensor) and pw.outputs[n][0].shape[0] == n for n in pw.sizes)

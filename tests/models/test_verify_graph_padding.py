@@ -15,7 +15,7 @@ from families import hf_greedy, make_hf_model
 
 pytest.importorskip("triton")
 
-from test_decode_graph_padding import live_kv  # noqa: E402
+from test_decode_graph_padding import assert_same_live_kv, poison_pools  # noqa: E402
 
 from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig  # noqa: E402
 from swaserve.loader.hf_dir import load_model_from_dir  # noqa: E402
@@ -66,12 +66,7 @@ def make_runtime(path, device: str, dtype: torch.dtype, padded: bool, oracle: di
     if padded:
         rt.runner.verify_graphs = VerifyGraphRunner(rt.runner, 16, K + 1, capture=device == "cuda")
     rt.scheduler.speculation = Speculation(ScatterDrafter(oracle, config.vocab_size), K, 16)
-    for pool in (rt.kv.full, rt.kv.swa):  # after capture: everything free, slot 0 included, poisoned
-        if pool is None:
-            continue
-        for i in range(pool.num_layers):
-            pool.k_buffer(i).fill_(float("nan"))
-            pool.v_buffer(i).fill_(float("nan"))
+    poison_pools(rt)  # everything free (after any capture), slot 0 included
     return rt
 
 
@@ -133,13 +128,7 @@ def run_lockstep(family: str, path, device: str = "cpu", dtype: torch.dtype = to
         h_e, h_p = hiddens[id(eager)][-1], hiddens[id(padded)][-1]
         bit_identical += bool(torch.equal(h_e, h_p))
         torch.testing.assert_close(h_p.float(), h_e.float(), rtol=tol, atol=tol)
-        kv_e, kv_p = live_kv(eager), live_kv(padded)
-        assert kv_e.keys() == kv_p.keys()
-        for rid in kv_e:
-            for a, b in zip(kv_e[rid], kv_p[rid]):
-                assert not torch.isnan(b.float()).any(), f"{rid}: a live K/V row is poisoned (step {phase})"
-                torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol,
-                                           msg=f"{rid}: K/V differ at step {phase}")
+        assert_same_live_kv(eager, padded, tol, phase)
         padded.scheduler.check_integrity()
     stats = {"family": family, "device": device, "dtype": str(dtype), "steps": steps_run,
              "bit_identical_steps": bit_identical, "verify_batch_sizes": sizes, "padded_slots": padded_slots,
