@@ -1,6 +1,7 @@
-"""The deterministic mode's kernels: `bi_linear` (one tiling for every M, split and one-program forms
-bitwise equal) and `unified_attention` (decode and extend through the request table, SWA space for
-sliding layers) against references, and bitwise invariance of a row to its batch and chunking."""
+"""The deterministic mode's kernels: `bi_linear` (one reduction order for every M: split and one-program
+forms and every tiling bitwise equal) and `unified_attention` (decode and extend through the request
+table, SWA space for sliding layers) against references, and bitwise invariance of a row to its batch
+and chunking."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed; kernel tests need
 
 from kernel_ref import attend_ref, make_pools, tolerances, window_mask
 
-from swaserve.kernels.bi_matmul import bi_linear, num_chunks
+from swaserve.kernels.bi_matmul import TILINGS, Tiling, bi_linear, num_chunks
 from swaserve.kernels.unified_attention import unified_attention
 
 
@@ -43,11 +44,15 @@ def test_bi_linear_split_equals_one_program_and_rows_are_batch_invariant(device,
     alone = bi_linear(probe, w, split=False)
     assert torch.equal(bi_linear(probe, w, split=True), alone)
     assert torch.equal(bi_linear(probe, w_t), alone)
-    for M, at in ((2, 1), (70, 0), (70, 66), (130, 64)):
+    # Every tiling of the table (and a narrower one) sums a row alike: the table may follow M.
+    tiles = [t for _, t in TILINGS] + [Tiling(16, 64, 4, 4)]
+    for M, at in ((2, 1), (70, 0), (70, 66), (130, 64), (300, 299)):
         x = torch.randn(M, K, generator=g).bfloat16().to(device)
         x[at] = probe[0]
         for split in (False, True):
             assert torch.equal(bi_linear(x, w, split=split)[at], alone[0]), (M, at, split)
+            for t in tiles:
+                assert torch.equal(bi_linear(x, w, split=split, tile=t)[at], alone[0]), (M, at, split, t)
 
 
 # ---- unified_attention -----------------------------------------------------------------------------
