@@ -34,12 +34,13 @@ class Tiling(NamedTuple):
 # By rows M: decode-sized batches stream the weight through narrow tiles, prefill chunks reuse it
 # through wide ones (measured on the H100: benchmarks/results/h100_bi_gemm_sweep.log).
 TILINGS: tuple[tuple[int, Tiling], ...] = (
+    (16, Tiling(16, 32, 4, 6)),
     (64, Tiling(64, 64, 4, 4)),
     (256, Tiling(64, 128, 4, 4)),
     (1 << 62, Tiling(128, 128, 8, 3)),
 )
-CHUNK_TILE_N = 64  # the decode tiling's width: chunks are counted so that its programs fill the GPU
-MIN_CHUNK = 512  # keys of K per chunk at least: a wide-tile program loops CHUNK / BLOCK_K steps per chunk
+CHUNK_TILE_N = 32  # the decode tiling's width: chunks are counted so that its programs fill the GPU
+MIN_CHUNK = 1024  # keys of K per chunk at least: a wide-tile program loops CHUNK / BLOCK_K steps per chunk
 
 
 def block_k(dtype: torch.dtype) -> int:
@@ -57,7 +58,8 @@ def tiling(m: int, dtype: torch.dtype) -> Tiling:
 
 def num_chunks(n: int, k: int, sms: int, bk: int = 64) -> tuple[int, int]:
     """(chunks, chunk length) for an [n, k] weight: about two programs per SM for a decode-sized
-    batch when the chunks are split; a function of the weight shape and the GPU only."""
+    batch when the chunks are split, chunks of at least MIN_CHUNK keys; a function of the weight
+    shape and the GPU only."""
     tiles = triton.cdiv(n, CHUNK_TILE_N)
     want = max(1, min(triton.cdiv(2 * sms, tiles), k // MIN_CHUNK))
     chunk = triton.cdiv(triton.cdiv(k, want), bk) * bk
@@ -66,17 +68,32 @@ def num_chunks(n: int, k: int, sms: int, bk: int = 64) -> tuple[int, int]:
 
 @jit_per_batch("M", "stride_xm", "stride_om", "stride_pm")
 def _bi_matmul_kernel(
-    x, w, bias, out, part, M, N, K, CHUNK, NUM_CHUNKS,
+    x, w, bias, out, part, counters, M, N, K, CHUNK, NUM_CHUNKS,
     stride_xm, stride_wn, stride_wk, stride_om, stride_ps, stride_pm,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    X_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Tiles in groups of GROUP_M row tiles per column tile: a group's programs share weight tiles in L2.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    group = GROUP_M * tiles_n
+    first_m = (pid // group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % rows_in_group
+    pid_n = (pid % group) // rows_in_group
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
     nmask = rn < N
+    # Rows and columns past the edge read row/column 0 (results masked at the store): loads need no
+    # mask along M or N, and none along K when K is a multiple of BLOCK_K, so they vectorise.
+    stride_xm = tl.multiple_of(stride_xm, X_ALIGN)
+    a_rows = x + tl.where(mmask, rm, 0).to(tl.int64)[:, None] * stride_xm
+    w_rows = w + tl.where(nmask, rn, 0).to(tl.int64)[:, None] * stride_wn
     if SPLIT:
-        c_lo = tl.program_id(2)
+        c_lo = tl.program_id(1)
         c_hi = c_lo + 1
     else:
         c_lo = 0
@@ -87,19 +104,43 @@ def _bi_matmul_kernel(
         k_end = tl.minimum(K, (c + 1) * CHUNK)
         for k0 in range(c * CHUNK, k_end, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
-            kmask = rk < k_end
-            a = tl.load(x + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                        mask=mmask[:, None] & kmask[None, :], other=0.0)
-            # [BLOCK_N, BLOCK_K] with K innermost: vector loads from an output-major weight.
-            b = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + rk[None, :].to(tl.int64) * stride_wk,
-                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_rows + rk[None, :])
+                b = tl.load(w_rows + rk[None, :].to(tl.int64) * stride_wk)
+            else:
+                kmask = rk < k_end
+                a = tl.load(a_rows + rk[None, :], mask=kmask[None, :], other=0.0)
+                b = tl.load(w_rows + rk[None, :].to(tl.int64) * stride_wk, mask=kmask[None, :], other=0.0)
+            # b is [BLOCK_N, BLOCK_K], K innermost: vector loads from an output-major weight.
             acc += _dot_rows(a, tl.trans(b), UPCAST, PREC, ROWWISE)
         total += acc
     if SPLIT:
-        tl.store(part + tl.program_id(2) * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :], total,
+        tile = pid_m * tiles_n + pid_n
+        tl.store(part + c_lo * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :], total,
                  mask=mmask[:, None] & nmask[None, :])
+        if FUSED_SUM:
+            # The last of a tile's chunk programs to finish adds the partials, so no second launch.
+            # Its release (after the barrier) publishes this program's stores, the last one's
+            # acquire makes every chunk's visible, and it resets the counter for the next launch.
+            tl.debug_barrier()
+            if tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu") == NUM_CHUNKS - 1:
+                tl.store(counters + tile, 0)
+                total = _sum_partials(part, rm, rn, mmask, nmask, NUM_CHUNKS, stride_ps, stride_pm, BLOCK_M, BLOCK_N)
+                _store(total, bias, out, rm, rn, mmask, nmask, stride_om, HAS_BIAS)
     else:
         _store(total, bias, out, rm, rn, mmask, nmask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _sum_partials(part, rm, rn, mmask, nmask, NUM_CHUNKS, stride_ps, stride_pm, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The chunks' float32 partials of a tile added in chunk order, as the one-program form adds them
+    (read past L1, which is not coherent across SMs)."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for c in range(0, NUM_CHUNKS):
+        total += tl.load(part + c * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :],
+                         mask=mmask[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -117,11 +158,23 @@ def _sum_chunks_kernel(part, bias, out, M, N, NUM_CHUNKS, stride_ps, stride_pm, 
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
     nmask = rn < N
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for c in range(0, NUM_CHUNKS):  # chunk order, as the one-program form adds them
-        total += tl.load(part + c * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :],
-                         mask=mmask[:, None] & nmask[None, :], other=0.0)
+    total = _sum_partials(part, rm, rn, mmask, nmask, NUM_CHUNKS, stride_ps, stride_pm, BLOCK_M, BLOCK_N)
     _store(total, bias, out, rm, rn, mmask, nmask, stride_om, HAS_BIAS)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+MAX_SPLIT_TILES = 4096  # counters per device: a split launch has fewer tiles than the GPU has SMs
+
+
+def split_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed tile counters for the fused chunk sum (every launch leaves them zero; one
+    stream at a time uses them), allocated on first use outside CUDA-graph capture; None inside
+    a capture that finds none yet (that launch sums in a second kernel)."""
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def bi_linear(
@@ -143,19 +196,24 @@ def bi_linear(
     sms = num_sms(x.device)
     chunks, chunk = num_chunks(N, K, sms, bk)
     t = tile or tiling(M, x.dtype)
-    grid_mn = (triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n))
+    tiles = triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n)
     if split is None:
-        split = chunks > 1 and grid_mn[0] * grid_mn[1] < sms
+        split = chunks > 1 and tiles < sms
+    split = split and chunks > 1
+    counters = split_counters(x.device) if split and tiles <= MAX_SPLIT_TILES else None
     upcast, prec = dot_flags(x.dtype)
     has_bias = bias is not None
+    # 16-byte aligned rows (every real shape): the row stride is promised to the compiler.
+    x_align = 16 // x.itemsize if x.stride(0) % (16 // x.itemsize) == 0 and x.data_ptr() % 16 == 0 else 1
     part = torch.empty(chunks if split else 1, M if split else 1, N, dtype=torch.float32, device=x.device)
-    _bi_matmul_kernel[(*grid_mn, chunks if split else 1)](
-        x, weight, bias if has_bias else x, out, part, M, N, K, chunk, chunks,
-        x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), part.stride(0), part.stride(1),
-        SPLIT=split, HAS_BIAS=has_bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=bk,
-        UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages,
+    _bi_matmul_kernel[(tiles, chunks if split else 1)](
+        x, weight, bias if has_bias else x, out, part, counters if counters is not None else part, M, N, K,
+        chunk, chunks, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), part.stride(0),
+        part.stride(1), SPLIT=split, FUSED_SUM=counters is not None, HAS_BIAS=has_bias, EVEN_K=K % bk == 0,
+        X_ALIGN=x_align, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=bk, GROUP_M=8, UPCAST=upcast,
+        PREC=prec, ROWWISE=interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages,
     )
-    if split:
+    if split and counters is None:
         _sum_chunks_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 128))](
             part, bias if has_bias else x, out, M, N, chunks, part.stride(0), part.stride(1), out.stride(0),
             HAS_BIAS=has_bias, BLOCK_M=16, BLOCK_N=128, num_warps=4)

@@ -35,7 +35,7 @@ def test_bi_linear_matches_reference(dtype, bias, device, seed):
 
 def test_bi_linear_split_equals_one_program_and_rows_are_batch_invariant(device, seed):
     g = torch.Generator().manual_seed(seed)
-    K, N = 1024, 96
+    K, N = 2048, 96
     assert num_chunks(N, K, 8)[0] > 1, "the shape must give several K chunks for this test to mean anything"
     w = torch.randn(N, K, generator=g).bfloat16().to(device)
     # Input-major storage (GPT-OSS experts): the same weight through a transposed view.
@@ -53,6 +53,24 @@ def test_bi_linear_split_equals_one_program_and_rows_are_batch_invariant(device,
             assert torch.equal(bi_linear(x, w, split=split)[at], alone[0]), (M, at, split)
             for t in tiles:
                 assert torch.equal(bi_linear(x, w, split=split, tile=t)[at], alone[0]), (M, at, split, t)
+
+
+def test_bi_linear_chunk_sum_in_the_last_program_equals_a_second_launch(device, seed, monkeypatch):
+    """Split chunks are added by the last of a tile's programs (tile counters, left zero for the next
+    launch) or, inside a CUDA-graph capture that finds no counters yet, by a second kernel: same bits."""
+    from swaserve.kernels import bi_matmul
+
+    g = torch.Generator().manual_seed(seed)
+    K, N, M = 2048, 160, 5
+    w = torch.randn(N, K, generator=g).bfloat16().to(device)
+    b = torch.randn(N, generator=g).bfloat16().to(device)
+    x = torch.randn(M, K, generator=g).bfloat16().to(device)
+    fused = bi_linear(x, w, b, split=True)
+    counters = bi_matmul.split_counters(x.device)
+    assert counters is not None and not counters.any(), "every launch leaves its tile counters at zero"
+    monkeypatch.setattr(bi_matmul, "split_counters", lambda device: None)
+    assert torch.equal(bi_linear(x, w, b, split=True), fused)
+    assert torch.equal(bi_linear(x, w, b, split=False), fused)
 
 
 # ---- unified_attention -----------------------------------------------------------------------------
