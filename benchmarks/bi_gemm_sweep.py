@@ -39,15 +39,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="1b,4b")
     ap.add_argument("--ms", default="1,8,64,128,256,512,2048,8192")
+    ap.add_argument("--projs", default="qkv,o,gate_up,down,lm_head")
+    ap.add_argument("--nested", action="store_true", help="chunks as an outer loop (bi_matmul.NESTED_CHUNKS)")
     args = ap.parse_args()
+    bi_matmul.NESTED_CHUNKS = args.nested
     ms = [int(m) for m in args.ms.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, nested chunk loop: {args.nested}")
     mismatches = 0
     rows = []
     for shape in args.shapes.split(","):
         projs = projections(shape) | {"lm_head": (262144, projections(shape)["o"][0])}
         for proj, (N, K) in projs.items():
+            if proj not in args.projs.split(","):
+                continue
             ws = weight_copies(N, K, g)
             chunks = bi_matmul.num_chunks(N, K, bi_matmul.num_sms(ws[0].device))
             proj_ms = [m for m in ms if proj != "lm_head" or m <= 512]

@@ -85,7 +85,9 @@ def run_offline(args: argparse.Namespace, reqs: list, engine_opts: dict,
         while pending and start + reqs[pending[0]][2] <= now:
             i = pending.pop(0)
             ids, n_out, _ = reqs[i]
-            timings[i].arrival = now
+            # Its scheduled time, as a client stamps it: a request that arrives while a step runs
+            # waits for that step here as it does in the served core (stamping `now` hid that wait).
+            timings[i].arrival = start + reqs[i][2]
             engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
         if not engine.has_unfinished():
             time.sleep(max(0.0, start + reqs[pending[0]][2] - time.monotonic()))

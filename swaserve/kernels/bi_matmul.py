@@ -39,6 +39,7 @@ TILINGS: tuple[tuple[int, Tiling], ...] = (
     (256, Tiling(64, 128, 4, 4)),
     (1 << 62, Tiling(128, 128, 8, 3)),
 )
+NESTED_CHUNKS = False  # experiment: chunks as an outer loop instead of one loop that flushes at chunk ends
 CHUNK_TILE_N = 32  # the decode tiling's width: chunks are counted so that its programs fill the GPU
 MIN_CHUNK = 1024  # keys of K per chunk at least: a wide-tile program loops CHUNK / BLOCK_K steps per chunk
 
@@ -70,7 +71,7 @@ def num_chunks(n: int, k: int, sms: int, bk: int = 64) -> tuple[int, int]:
 def _bi_matmul_kernel(
     x, w, bias, out, part, counters, M, N, K, CHUNK, NUM_CHUNKS,
     stride_xm, stride_wn, stride_wk, stride_om, stride_ps, stride_pm,
-    SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr, ONE_CHUNK: tl.constexpr, NESTED: tl.constexpr, FUSED_SUM: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     X_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr,
 ):
@@ -92,31 +93,35 @@ def _bi_matmul_kernel(
     stride_xm = tl.multiple_of(stride_xm, X_ALIGN)
     a_rows = x + tl.where(mmask, rm, 0).to(tl.int64)[:, None] * stride_xm
     w_rows = w + tl.where(nmask, rn, 0).to(tl.int64)[:, None] * stride_wn
-    if SPLIT:
-        c_lo = tl.program_id(1)
-        c_hi = c_lo + 1
+    if SPLIT:  # one chunk per program
+        k_lo = tl.program_id(1) * CHUNK
+        k_hi = tl.minimum(K, k_lo + CHUNK)
     else:
-        c_lo = 0
-        c_hi = NUM_CHUNKS
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for c in range(c_lo, c_hi):
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # every chunk from zero: the split form's partial
-        k_end = tl.minimum(K, (c + 1) * CHUNK)
-        for k0 in range(c * CHUNK, k_end, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                a = tl.load(a_rows + rk[None, :])
-                b = tl.load(w_rows + rk[None, :].to(tl.int64) * stride_wk)
-            else:
-                kmask = rk < k_end
-                a = tl.load(a_rows + rk[None, :], mask=kmask[None, :], other=0.0)
-                b = tl.load(w_rows + rk[None, :].to(tl.int64) * stride_wk, mask=kmask[None, :], other=0.0)
-            # b is [BLOCK_N, BLOCK_K], K innermost: vector loads from an output-major weight.
-            acc += _dot_rows(a, tl.trans(b), UPCAST, PREC, ROWWISE)
-        total += acc
+        k_lo = 0
+        k_hi = K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if ONE_CHUNK:  # a split program's chunk, or a weight of one chunk: one accumulator
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc = _step(acc, a_rows, w_rows, k0, k_hi, stride_wk, EVEN_K, BLOCK_K, UPCAST, PREC, ROWWISE)
+        total = acc
+    elif NESTED:
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for c in range(0, NUM_CHUNKS):
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            c_hi = tl.minimum(K, (c + 1) * CHUNK)
+            for k0 in range(c * CHUNK, c_hi, BLOCK_K):
+                acc = _step(acc, a_rows, w_rows, k0, c_hi, stride_wk, EVEN_K, BLOCK_K, UPCAST, PREC, ROWWISE)
+            total += acc
+    else:  # every chunk from zero, added in chunk order into the total
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc = _step(acc, a_rows, w_rows, k0, k_hi, stride_wk, EVEN_K, BLOCK_K, UPCAST, PREC, ROWWISE)
+            if (k0 + BLOCK_K) % CHUNK == 0 or k0 + BLOCK_K >= k_hi:
+                total += acc
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT:
         tile = pid_m * tiles_n + pid_n
-        tl.store(part + c_lo * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :], total,
+        tl.store(part + tl.program_id(1) * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :], total,
                  mask=mmask[:, None] & nmask[None, :])
         if FUSED_SUM:
             # The last of a tile's chunk programs to finish adds the partials, so no second launch.
@@ -129,6 +134,22 @@ def _bi_matmul_kernel(
                 _store(total, bias, out, rm, rn, mmask, nmask, stride_om, HAS_BIAS)
     else:
         _store(total, bias, out, rm, rn, mmask, nmask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _step(acc, a_rows, w_rows, k0, k_hi, stride_wk, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+          UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr):
+    """acc + the product of one BLOCK_K slice of K."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        a = tl.load(a_rows + rk[None, :])
+        b = tl.load(w_rows + rk[None, :].to(tl.int64) * stride_wk)
+    else:
+        kmask = rk < k_hi
+        a = tl.load(a_rows + rk[None, :], mask=kmask[None, :], other=0.0)
+        b = tl.load(w_rows + rk[None, :].to(tl.int64) * stride_wk, mask=kmask[None, :], other=0.0)
+    # b is [BLOCK_N, BLOCK_K], K innermost: vector loads from an output-major weight.
+    return acc + _dot_rows(a, tl.trans(b), UPCAST, PREC, ROWWISE)
 
 
 @triton.jit
@@ -209,7 +230,7 @@ def bi_linear(
     _bi_matmul_kernel[(tiles, chunks if split else 1)](
         x, weight, bias if has_bias else x, out, part, counters if counters is not None else part, M, N, K,
         chunk, chunks, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), part.stride(0),
-        part.stride(1), SPLIT=split, FUSED_SUM=counters is not None, HAS_BIAS=has_bias, EVEN_K=K % bk == 0,
+        part.stride(1), SPLIT=split, ONE_CHUNK=split or chunks == 1, NESTED=NESTED_CHUNKS, FUSED_SUM=counters is not None, HAS_BIAS=has_bias, EVEN_K=K % bk == 0,
         X_ALIGN=x_align, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=bk, GROUP_M=8, UPCAST=upcast,
         PREC=prec, ROWWISE=interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages,
     )
