@@ -40,12 +40,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="1b,4b")
     ap.add_argument("--ms", default="1,8,64,128,256,512,2048,8192")
     ap.add_argument("--projs", default="qkv,o,gate_up,down,lm_head")
-    ap.add_argument("--nested", action="store_true", help="chunks as an outer loop (bi_matmul.NESTED_CHUNKS)")
     args = ap.parse_args()
-    bi_matmul.NESTED_CHUNKS = args.nested
     ms = [int(m) for m in args.ms.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, nested chunk loop: {args.nested}")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
     mismatches = 0
     rows = []
     for shape in args.shapes.split(","):

@@ -97,8 +97,6 @@ for step in "${steps[@]}"; do
                 tests/kernels/test_batch_invariant_kernels.py ;;
         bi_gemm)  # issue 17: the batch-invariant GEMM's tilings vs cuBLAS per projection and M, bitwise invariance
             run bi_gemm 400 python3 benchmarks/bi_gemm_sweep.py ;;
-        bi_gemm_nested)  # the multi-chunk projections with chunks as an outer loop
-            run bi_gemm_nested 300 python3 benchmarks/bi_gemm_sweep.py --projs down,qkv,o --ms 256,2048,8192 --nested ;;
         overlap_eagle)  # overlap vs sync engines and EAGLE-3 heads, each file in its own process
             run overlap 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_overlap_gpu.py
             run eagle3 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_eagle3_gpu.py ;;

@@ -31,15 +31,12 @@ class Tiling(NamedTuple):
     num_stages: int
 
 
-# By rows M: decode-sized batches stream the weight through narrow tiles, prefill chunks reuse it
-# through wide ones (measured on the H100: benchmarks/results/h100_bi_gemm_sweep.log).
-TILINGS: tuple[tuple[int, Tiling], ...] = (
-    (16, Tiling(16, 32, 4, 6)),
-    (64, Tiling(64, 64, 4, 4)),
-    (256, Tiling(64, 128, 4, 4)),
-    (1 << 62, Tiling(128, 128, 8, 3)),
-)
-NESTED_CHUNKS = False  # experiment: chunks as an outer loop instead of one loop that flushes at chunk ends
+# Tilings from the widest (most reuse of each loaded tile) to the narrowest (most programs);
+# measured on the H100 (benchmarks/results/h100_bi_gemm_sweep.log): 128x128 pays only for wide
+# weights (the LM head, gate/up), and a launch wants at least one program per SM.
+WIDE = Tiling(128, 128, 4, 4)
+TILINGS: tuple[Tiling, ...] = (Tiling(64, 128, 4, 4), Tiling(64, 64, 4, 4), Tiling(16, 64, 4, 4), Tiling(16, 32, 4, 6))
+WIDE_N = 8192  # output columns from which WIDE leads the list
 CHUNK_TILE_N = 32  # the decode tiling's width: chunks are counted so that its programs fill the GPU
 MIN_CHUNK = 1024  # keys of K per chunk at least: a wide-tile program loops CHUNK / BLOCK_K steps per chunk
 
@@ -48,10 +45,16 @@ def block_k(dtype: torch.dtype) -> int:
     return 32 if dtype.itemsize >= 4 else 64  # fp32 tiles take twice the shared memory
 
 
-def tiling(m: int, dtype: torch.dtype) -> Tiling:
-    for rows, t in TILINGS:
-        if m <= rows:
-            break
+def tiling(m: int, n: int, chunks: int, sms: int, dtype: torch.dtype) -> Tiling:
+    """The widest tiling of the list whose programs (split over the chunks where its tiles alone
+    leave SMs idle) fill the GPU; the narrowest for decode-sized batches (M <= 16) and when none does."""
+    t = TILINGS[-1]
+    if m > 16:
+        for cand in ((WIDE,) if n >= WIDE_N else ()) + TILINGS:
+            tiles = triton.cdiv(m, cand.block_m) * triton.cdiv(n, cand.block_n)
+            if (tiles if tiles >= sms else tiles * chunks) >= sms:
+                t = cand
+                break
     if dtype.itemsize >= 4:  # fp32: half the stages (shared memory), and at most 64x128 tiles
         t = Tiling(min(t.block_m, 64), t.block_n, 4, 2)
     return t
@@ -71,7 +74,8 @@ def num_chunks(n: int, k: int, sms: int, bk: int = 64) -> tuple[int, int]:
 def _bi_matmul_kernel(
     x, w, bias, out, part, counters, M, N, K, CHUNK, NUM_CHUNKS,
     stride_xm, stride_wn, stride_wk, stride_om, stride_ps, stride_pm,
-    SPLIT: tl.constexpr, ONE_CHUNK: tl.constexpr, NESTED: tl.constexpr, FUSED_SUM: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr, ONE_CHUNK: tl.constexpr, FUSED_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
     X_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr,
 ):
@@ -104,21 +108,14 @@ def _bi_matmul_kernel(
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc = _step(acc, a_rows, w_rows, k0, k_hi, stride_wk, EVEN_K, BLOCK_K, UPCAST, PREC, ROWWISE)
         total = acc
-    elif NESTED:
+    else:  # every chunk from zero, added in chunk order into the total
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for c in range(0, NUM_CHUNKS):
+        for c in range(NUM_CHUNKS):
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             c_hi = tl.minimum(K, (c + 1) * CHUNK)
             for k0 in range(c * CHUNK, c_hi, BLOCK_K):
                 acc = _step(acc, a_rows, w_rows, k0, c_hi, stride_wk, EVEN_K, BLOCK_K, UPCAST, PREC, ROWWISE)
             total += acc
-    else:  # every chunk from zero, added in chunk order into the total
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            acc = _step(acc, a_rows, w_rows, k0, k_hi, stride_wk, EVEN_K, BLOCK_K, UPCAST, PREC, ROWWISE)
-            if (k0 + BLOCK_K) % CHUNK == 0 or k0 + BLOCK_K >= k_hi:
-                total += acc
-                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT:
         tile = pid_m * tiles_n + pid_n
         tl.store(part + tl.program_id(1) * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :], total,
@@ -158,7 +155,7 @@ def _sum_partials(part, rm, rn, mmask, nmask, NUM_CHUNKS, stride_ps, stride_pm, 
     """The chunks' float32 partials of a tile added in chunk order, as the one-program form adds them
     (read past L1, which is not coherent across SMs)."""
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for c in range(0, NUM_CHUNKS):
+    for c in range(NUM_CHUNKS):
         total += tl.load(part + c * stride_ps + rm[:, None].to(tl.int64) * stride_pm + rn[None, :],
                          mask=mmask[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
     return total
@@ -198,13 +195,39 @@ def split_counters(device: torch.device) -> torch.Tensor | None:
     return _COUNTERS[device]
 
 
+_COMPILED: set[tuple] = set()
+WARM_ROWS = 16384  # precompile the launch variants of every M up to this the first time a weight is seen
+
+
+def _launch_variants(m_max: int, n: int, chunks: int, sms: int, dtype: torch.dtype) -> set[tuple[Tiling, bool]]:
+    """(tiling, split) of every M in 1..m_max: a few, as the tiling widens with M."""
+    out = set()
+    for m in range(1, m_max + 1):
+        t = tiling(m, n, chunks, sms, dtype)
+        out.add((t, chunks > 1 and triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) < sms))
+    return out
+
+
+def _precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+                chunks: int, sms: int) -> None:
+    """Compile, on the first launch for a weight's shape and layout, every variant a later batch may
+    launch (one row each), so no batch size meets a JIT compile while serving (the engine's warm-up
+    forward is that first launch). Not inside a CUDA-graph capture."""
+    key = (x.device, x.dtype, out_dtype, weight.shape, weight.stride(), bias is not None)
+    if key in _COMPILED or torch.cuda.is_current_stream_capturing():
+        return
+    _COMPILED.add(key)
+    for t, split in _launch_variants(WARM_ROWS, weight.shape[0], chunks, sms, x.dtype):
+        bi_linear(x[:1], weight, bias, out_dtype, split=split, tile=t)
+
+
 def bi_linear(
     x: torch.Tensor,  # [M, K], unit stride in K
     weight: torch.Tensor,  # [N, K] any strides (an input-major [K, N] weight's .t() works)
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,  # default x's dtype (float32: the LM head's logits)
     split: bool | None = None,  # None: split programs when the row tiles alone leave SMs idle
-    tile: Tiling | None = None,  # None: `tiling(M)`; any tiling gives the same bits (tests, sweeps)
+    tile: Tiling | None = None,  # None: `tiling(...)`; any tiling gives the same bits (tests, sweeps)
 ) -> torch.Tensor:  # [M, N]
     """`x @ weight.T + bias`, every output element reduced in the same order whatever M is."""
     M, K = x.shape
@@ -216,7 +239,9 @@ def bi_linear(
     bk = block_k(x.dtype)
     sms = num_sms(x.device)
     chunks, chunk = num_chunks(N, K, sms, bk)
-    t = tile or tiling(M, x.dtype)
+    if tile is None and x.is_cuda:
+        _precompile(x, weight, bias, out_dtype, chunks, sms)
+    t = tile or tiling(M, N, chunks, sms, x.dtype)
     tiles = triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n)
     if split is None:
         split = chunks > 1 and tiles < sms
@@ -230,7 +255,7 @@ def bi_linear(
     _bi_matmul_kernel[(tiles, chunks if split else 1)](
         x, weight, bias if has_bias else x, out, part, counters if counters is not None else part, M, N, K,
         chunk, chunks, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), part.stride(0),
-        part.stride(1), SPLIT=split, ONE_CHUNK=split or chunks == 1, NESTED=NESTED_CHUNKS, FUSED_SUM=counters is not None, HAS_BIAS=has_bias, EVEN_K=K % bk == 0,
+        part.stride(1), SPLIT=split, ONE_CHUNK=split or chunks == 1, FUSED_SUM=counters is not None, HAS_BIAS=has_bias, EVEN_K=K % bk == 0,
         X_ALIGN=x_align, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=bk, GROUP_M=8, UPCAST=upcast,
         PREC=prec, ROWWISE=interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages,
     )

@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed; kernel tests need
 
 from kernel_ref import attend_ref, make_pools, tolerances, window_mask
 
-from swaserve.kernels.bi_matmul import TILINGS, Tiling, bi_linear, num_chunks
+from swaserve.kernels.bi_matmul import TILINGS, WIDE, bi_linear, num_chunks
 from swaserve.kernels.unified_attention import unified_attention
 
 
@@ -45,7 +45,7 @@ def test_bi_linear_split_equals_one_program_and_rows_are_batch_invariant(device,
     assert torch.equal(bi_linear(probe, w, split=True), alone)
     assert torch.equal(bi_linear(probe, w_t), alone)
     # Every tiling of the table (and a narrower one) sums a row alike: the table may follow M.
-    tiles = [t for _, t in TILINGS] + [Tiling(16, 64, 4, 4)]
+    tiles = (WIDE, *TILINGS)
     for M, at in ((2, 1), (70, 0), (70, 66), (130, 64), (300, 299)):
         x = torch.randn(M, K, generator=g).bfloat16().to(device)
         x[at] = probe[0]
