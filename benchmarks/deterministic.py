@@ -16,6 +16,7 @@ JSON lines per point, a table at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -61,7 +62,9 @@ def drain(engine, reqs: list[tuple[str, list[int], object]]) -> dict[str, list[i
     return out
 
 
-def decode_step_ms(engine, vocab: int, bs: int, ctx: int, steps: int, rng: random.Random) -> float:
+def decode_step_ms(engine, vocab: int, bs: int, ctx: int, steps: int, rng: random.Random,
+                   around=contextlib.nullcontext()) -> float:
+    """Decode step time at batch bs (prompts prefilled untimed); `around` wraps the timed steps only."""
     from swaserve.request import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -73,11 +76,12 @@ def decode_step_ms(engine, vocab: int, bs: int, ctx: int, steps: int, rng: rando
     for _ in range(4):
         engine.step()
     sync(engine.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(engine.device)
-    dt = (time.perf_counter() - t0) / steps
+    with around:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+        dt = (time.perf_counter() - t0) / steps
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
@@ -104,9 +108,9 @@ def profile_decode(engine, vocab: int, bs: int, ctx: int, rng: random.Random) ->
     from torch.profiler import ProfilerActivity, profile
 
     decode_step_ms(engine, vocab, bs, ctx, 4, rng)  # warm
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decode_step_ms(engine, vocab, bs, ctx, 8, rng)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    decode_step_ms(engine, vocab, bs, ctx, 8, rng, around=prof)  # the decode steps only, not the prefill
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=16)
 
 
 def run_cost(args, loaded, device, dtype) -> None:
@@ -120,7 +124,7 @@ def run_cost(args, loaded, device, dtype) -> None:
             point[f"step_ms_bs{bs}"] = round(decode_step_ms(engine, vocab, bs, args.ctx, args.steps, rng), 3)
         point["offline_tok_s"] = round(offline_tok_s(engine, vocab, args.requests, rng, args.max_context), 1)
         if args.profile and device.type == "cuda":
-            print(f"--- top kernels, bs 64 decode, deterministic={det}\n{profile_decode(engine, vocab, 64, args.ctx, rng)}")
+            print(f"--- top kernels, 8 decode steps at bs 64, deterministic={det}\n{profile_decode(engine, vocab, 64, args.ctx, rng)}")
         print(json.dumps(point), flush=True)
         rows.append(point)
         del engine
