@@ -1,6 +1,6 @@
 """Deterministic mode's GEMM (`bi_linear`) on the GPU, per Gemma 3 projection and batch size M:
-cuBLAS (`F.linear`, the default mode) against `bi_linear` with its tiling table and other tilings; and the fact the table rests on,
-checked bitwise: every tiling, split or not, gives each row the same bits at every M.
+cuBLAS (`F.linear`, the default mode) against `bi_linear` with its tiling rule and other tilings;
+and the fact the rule rests on, checked bitwise: every tiling, split or not, gives each row the same bits at every M.
 
     python benchmarks/bi_gemm_sweep.py [--shapes 1b,4b] [--ms 1,8,64,256,512,2048,8192]
 

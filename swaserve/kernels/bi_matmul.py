@@ -7,10 +7,11 @@ GPU (`num_chunks`, never on M); each chunk's product is accumulated from zero in
 (fixed per dtype), and the chunk sums are added in chunk order into a float32 total. A tile only
 decides which outputs a program owns, not how one output is summed, so the tiling may follow M
 (`tiling`): narrow tiles with the chunks split over programs for decode-sized batches (enough
-programs to stream the weight; a second launch adds their float32 partials in chunk order) and
-wide tiles with the chunks looped in one program for prefill. On tensor cores this rests on one
-fact measured per GPU (`benchmarks/bi_gemm_sweep.py`, tests/gpu): an MMA's rounding does not
-depend on the instruction's M/N shape, so every tiling of the table gives bitwise equal rows.
+programs to stream the weight; the last of a tile's programs adds their float32 partials in chunk
+order) and wide tiles with the chunks looped in one program for prefill. On tensor cores this rests
+on a fact measured per GPU (`benchmarks/bi_gemm_sweep.py`; the kernel tests run natively with
+SWASERVE_KERNEL_TESTS_ON_GPU=1): an MMA's rounding does not depend on the instruction's M/N shape,
+so every tiling gives bitwise equal rows (H100: 0 of 1,368 tiling x split x M cases differ).
 """
 
 from __future__ import annotations
@@ -255,9 +256,9 @@ def bi_linear(
     _bi_matmul_kernel[(tiles, chunks if split else 1)](
         x, weight, bias if has_bias else x, out, part, counters if counters is not None else part, M, N, K,
         chunk, chunks, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), part.stride(0),
-        part.stride(1), SPLIT=split, ONE_CHUNK=split or chunks == 1, FUSED_SUM=counters is not None, HAS_BIAS=has_bias, EVEN_K=K % bk == 0,
-        X_ALIGN=x_align, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=bk, GROUP_M=8, UPCAST=upcast,
-        PREC=prec, ROWWISE=interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages,
+        part.stride(1), SPLIT=split, ONE_CHUNK=split or chunks == 1, FUSED_SUM=counters is not None,
+        HAS_BIAS=has_bias, EVEN_K=K % bk == 0, X_ALIGN=x_align, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=bk, GROUP_M=8, UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages,
     )
     if split and counters is None:
         _sum_chunks_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 128))](
