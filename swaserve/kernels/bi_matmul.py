@@ -258,7 +258,8 @@ def bi_linear(
         chunk, chunks, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), part.stride(0),
         part.stride(1), SPLIT=split, ONE_CHUNK=split or chunks == 1, FUSED_SUM=counters is not None,
         HAS_BIAS=has_bias, EVEN_K=K % bk == 0, X_ALIGN=x_align, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=bk, GROUP_M=8, UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_K=bk, GROUP_M=8, UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(),
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
     if split and counters is None:
         _sum_chunks_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 128))](
