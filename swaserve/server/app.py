@@ -50,7 +50,6 @@ def create_app(
         client.start(asyncio.get_running_loop())
         gc.collect()  # startup's objects (tokenizer, app, routes) out of the collector's view: no
         gc.freeze()  # full collection walking them between two SSE chunks
-
         try:
             yield
         finally:
