@@ -7,8 +7,8 @@
 # SVO_RATE req/s; svo_poisson_512 with 512-token prefill chunks) and stress_1b (200 @ 128); for issue 20:
 # prefix_1b / prefix_4b (benchmarks/prefix_cache.py, cache on vs off); for issue 17: det_kernels (the
 # batch-invariant kernels natively), bi_gemm (benchmarks/bi_gemm_sweep.py), det_probes_{1b,4b,g4} (64
-# probes alone vs among 100 others, mode on and off), det_cost_1b / det_cost_4b (decode step and offline throughput off vs on, top kernels) and
-# det_serve (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
+# probes alone vs among 100 others, mode on and off), det_cost_1b / det_cost_4b (decode step and offline
+# throughput off vs on, top kernels) and det_serve (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap_eagle (overlap vs
 # sync engines, EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py), mimo_serve
