@@ -61,6 +61,13 @@ def tiling(m: int, n: int, chunks: int, sms: int, dtype: torch.dtype) -> Tiling:
     return t
 
 
+def plan(m: int, n: int, chunks: int, sms: int, dtype: torch.dtype, tile: Tiling | None = None) -> tuple[Tiling, bool]:
+    """(tiling, split) of a launch (`tile` or the rule's): chunks split over programs when the tiles
+    alone leave SMs idle."""
+    t = tile or tiling(m, n, chunks, sms, dtype)
+    return t, chunks > 1 and triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) < sms
+
+
 def num_chunks(n: int, k: int, sms: int, bk: int = 64) -> tuple[int, int]:
     """(chunks, chunk length) for an [n, k] weight: about two programs per SM for a decode-sized
     batch when the chunks are split, chunks of at least MIN_CHUNK keys; a function of the weight
@@ -202,11 +209,7 @@ WARM_ROWS = 16384  # precompile the launch variants of every M up to this the fi
 
 def _launch_variants(m_max: int, n: int, chunks: int, sms: int, dtype: torch.dtype) -> set[tuple[Tiling, bool]]:
     """(tiling, split) of every M in 1..m_max: a few, as the tiling widens with M."""
-    out = set()
-    for m in range(1, m_max + 1):
-        t = tiling(m, n, chunks, sms, dtype)
-        out.add((t, chunks > 1 and triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) < sms))
-    return out
+    return {plan(m, n, chunks, sms, dtype) for m in range(1, m_max + 1)}
 
 
 def _precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
@@ -242,21 +245,20 @@ def bi_linear(
     chunks, chunk = num_chunks(N, K, sms, bk)
     if tile is None and x.is_cuda:
         _precompile(x, weight, bias, out_dtype, chunks, sms)
-    t = tile or tiling(M, N, chunks, sms, x.dtype)
+    t, auto_split = plan(M, N, chunks, sms, x.dtype, tile)
+    split = chunks > 1 and (auto_split if split is None else split)
     tiles = triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n)
-    if split is None:
-        split = chunks > 1 and tiles < sms
-    split = split and chunks > 1
     counters = split_counters(x.device) if split and tiles <= MAX_SPLIT_TILES else None
     upcast, prec = dot_flags(x.dtype)
     has_bias = bias is not None
     # 16-byte aligned rows (every real shape): the row stride is promised to the compiler.
     x_align = 16 // x.itemsize if x.stride(0) % (16 // x.itemsize) == 0 and x.data_ptr() % 16 == 0 else 1
-    part = torch.empty(chunks if split else 1, M if split else 1, N, dtype=torch.float32, device=x.device)
+    # Float32 partials only when split (otherwise `out` stands in for the unused pointers).
+    part = torch.empty(chunks, M, N, dtype=torch.float32, device=x.device) if split else out
     _bi_matmul_kernel[(tiles, chunks if split else 1)](
-        x, weight, bias if has_bias else x, out, part, counters if counters is not None else part, M, N, K,
+        x, weight, bias if has_bias else x, out, part, counters if counters is not None else out, M, N, K,
         chunk, chunks, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), part.stride(0),
-        part.stride(1), SPLIT=split, ONE_CHUNK=split or chunks == 1, FUSED_SUM=counters is not None,
+        part.stride(1 if split else 0), SPLIT=split, ONE_CHUNK=split or chunks == 1, FUSED_SUM=counters is not None,
         HAS_BIAS=has_bias, EVEN_K=K % bk == 0, X_ALIGN=x_align, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         BLOCK_K=bk, GROUP_M=8, UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(),
         num_warps=t.num_warps, num_stages=t.num_stages,

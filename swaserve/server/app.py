@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import hmac
 import logging
 import time
@@ -48,8 +47,6 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start(asyncio.get_running_loop())
-        gc.collect()  # startup's objects (tokenizer, app, routes) out of the collector's view: no
-        gc.freeze()  # full collection walking them between two SSE chunks
         try:
             yield
         finally:

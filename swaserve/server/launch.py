@@ -5,6 +5,7 @@ and the entry points `serve_main` (`swaserve serve`) and `main` (`python -m swas
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import signal
 import socket
@@ -82,6 +83,14 @@ def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = N
         raise
 
 
+def freeze_startup_objects() -> None:
+    """Move what a serving process built at startup (tokenizer, app, routes) out of the cyclic
+    collector's view, so that no full collection walks it between two SSE chunks. Called by the
+    processes that serve until exit, just before they serve (not by in-process test servers)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None) -> int:
     """Serve until SIGINT/SIGTERM: stop accepting, let in-flight requests finish (up to the graceful
     timeout, then cancel them), stop the engine cores, release the port. Returns the exit code: 0, or 1
@@ -105,6 +114,7 @@ def run_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = Non
         # this one, that re-raise ends run() normally instead of killing the process (SIGTERM) or
         # printing a KeyboardInterrupt traceback (SIGINT). It also covers a signal before uvicorn's own.
         previous = {sig: signal.signal(sig, stop_serving) for sig in (signal.SIGINT, signal.SIGTERM)}
+    freeze_startup_objects()
     try:
         server.run(sockets=[sock])
     finally:
