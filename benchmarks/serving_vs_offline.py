@@ -24,11 +24,14 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks import ttft_breakdown  # noqa: E402
 
 
 @dataclass
@@ -41,6 +44,8 @@ class Timing:
     end: float = 0.0
     output_tokens: int = 0
     error: str = ""
+    added: float = 0.0  # offline: when the engine got it (the next step boundary after its arrival)
+    rid: str = ""  # served: the response id (joins the server's request trace)
 
 
 def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int, float]]:
@@ -87,7 +92,7 @@ def run_offline(args: argparse.Namespace, reqs: list, engine_opts: dict,
             ids, n_out, _ = reqs[i]
             # Its scheduled time, as a client stamps it: a request that arrives while a step runs
             # waits for that step here as it does in the served core (stamping `now` hid that wait).
-            timings[i].arrival = start + reqs[i][2]
+            timings[i].arrival, timings[i].added = start + reqs[i][2], now
             engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
         if not engine.has_unfinished():
             time.sleep(max(0.0, start + reqs[pending[0]][2] - time.monotonic()))
@@ -131,7 +136,8 @@ async def _one(http, url: str, i: int, ids: list[int], n_out: int, stream: bool,
             r = await http.post(url, json=body)
             r.raise_for_status()
             t.end = time.monotonic()
-            t.output_tokens = r.json()["usage"]["completion_tokens"]
+            got = r.json()
+            t.output_tokens, t.rid = got["usage"]["completion_tokens"], got["id"]
             return t
         body["stream_options"] = {"include_usage": True}
         async with http.stream("POST", url, json=body) as r:
@@ -143,7 +149,9 @@ async def _one(http, url: str, i: int, ids: list[int], n_out: int, stream: bool,
                 if '"usage":{' in line:  # the final chunk (only it carries a usage object)
                     t.output_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
                 elif '"text":""' not in line:
-                    t.first = t.first or now
+                    if not t.first:
+                        t.first = now
+                        t.rid = json.loads(line[6:])["id"]
                     t.chunks.append(now)
         t.end = time.monotonic()
     except Exception as e:  # noqa: BLE001  (a failed request is counted, not fatal)
@@ -282,13 +290,14 @@ def print_table(rows: list[dict], offline_tps: float) -> None:
               f"{pair('ttft'):>18}{pair('itl'):>16}{pair('tpot'):>16}{pair('e2e', 1000.0):>16}{cpu:>11}{server:>16}{r['failed']:>6}")
 
 
-def launch(args: argparse.Namespace, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
+def launch(args: argparse.Namespace, engine_flags: list[str], trace_prefix: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "swaserve.server", "--port", "0", "--stream-interval", str(args.stream_interval),
            "--api-server-count", str(args.api_server_count)]
     for flag in ("model", "device", "dtype"):
         if getattr(args, flag):
             cmd += [f"--{flag}", getattr(args, flag)]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "SWASERVE_REQUEST_TRACE": trace_prefix}  # first-token times per process, for the TTFT breakdown
     proc = subprocess.Popen(cmd + engine_flags, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     line = proc.stdout.readline() if proc.stdout else ""
     m = re.search(r"(http://[^\s]+)", line)
@@ -356,15 +365,19 @@ def main(argv: list[str] | None = None) -> int:
     if "generate" in modes:
         timings, duration = run_offline(args, reqs, opts, finished_only=True)
         rows.append(summarize("offline (finished only)", timings, duration))
+    breakdowns: dict[str, dict] = {}  # row path -> TTFT stages
     if "offline" in modes:
         timings, duration = run_offline(args, reqs, opts)
         rows.append(summarize("offline (Engine.step)", timings, duration))
+        breakdowns[rows[-1]["path"]] = ttft_breakdown.offline(timings)
+    trace_dir = tempfile.TemporaryDirectory()
+    trace_prefix = os.path.join(trace_dir.name, "requests")
     proc = None
     try:
         if {"stream", "nonstream"} & set(modes):
             import httpx
 
-            proc, url = launch(args, engine_flags)
+            proc, url = launch(args, engine_flags, trace_prefix)
             deadline = time.monotonic() + 1800
             while httpx.get(url + "/health", timeout=5).status_code != 200:
                 if time.monotonic() > deadline or proc.poll() is not None:
@@ -379,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                         args, url + "/v1", model, reqs, mode == "stream", server_processes(proc.pid))
                     rows.append(summarize(f"served, {'streaming' if mode == 'stream' else 'non-streaming'}",
                                           timings, duration, cpu) | server_cpu)
+                    if mode == "stream":
+                        breakdowns[rows[-1]["path"]] = (timings, None)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -392,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     hardware = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": _device_name(args.device)}
     print(f"serving_vs_offline: {hardware}\nconfig: {config}")
     print_table(rows, offline_tps)
+    for path, stages in breakdowns.items():  # served: joined once the server has closed its traces
+        if isinstance(stages, tuple):
+            stages = ttft_breakdown.served(stages[0], trace_prefix)
+        next(r for r in rows if r["path"] == path)["ttft_breakdown"] = ttft_breakdown.print_breakdown(path, stages)
+    trace_dir.cleanup()
     for r in rows:
         line = json.dumps({"benchmark": "serving_vs_offline", "hardware": hardware, "config": config,
                            "of_offline": r["output_tok_s"] / offline_tps, **r})

@@ -197,6 +197,9 @@ SCHEDULE_POLICIES = ("mixed", "prefill_first")
 class SchedulerConfig:
     max_running_requests: int = _opt(64, "requests decoded at once")
     max_prefill_tokens: int = _opt(2048, "token budget of one step: prefill chunk size (mixed: decodes included)")
+    max_mixed_prefill_tokens: int | None = _opt(
+        None, "mixed: prefill tokens a step may carry while requests decode (default: the rest of the step budget); "
+        "smaller keeps streams' inter-token latency low while prompts arrive, larger prefills them sooner")
     max_context: int | None = _opt(None, "max prompt + output tokens (default: the model's; 4096 on CPU)")
     schedule_policy: str = _opt(
         "mixed", "mixed: every step decodes all running requests and prefills under the rest of the budget; "
@@ -301,6 +304,8 @@ def split_engine_options(
         raise ValueError("max_running_requests must be >= 1")
     if sched.max_prefill_tokens < 1:
         raise ValueError("max_prefill_tokens must be >= 1")
+    if sched.max_mixed_prefill_tokens is not None and sched.max_mixed_prefill_tokens < 1:
+        raise ValueError("max_mixed_prefill_tokens must be >= 1")
     if sched.schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {sched.schedule_policy!r}")
     if cache.swa_evict_chunk < 1 or cache.swa_evict_margin < 0:

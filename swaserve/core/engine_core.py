@@ -28,6 +28,7 @@ from swaserve.core.messages import (
     StartupFailed,
     StepOutputs,
 )
+from swaserve.core.request_trace import RequestTrace
 
 logger = logging.getLogger(__name__)
 TRACE_ENV = "SWASERVE_CORE_TRACE"  # a file: one JSON line per engine step (time, batch, tokens reported)
@@ -70,6 +71,7 @@ class EngineCore:
         self._rejected: list[tuple[int, Rejected]] = []
         self._failed: list[tuple[int, str]] = []
         self._changed = False
+        self.requests = RequestTrace(f"core{os.getpid()}")  # first-token times per request (off unless its env is set)
 
     def run(self) -> None:
         trace_path = os.environ.get(TRACE_ENV)
@@ -79,6 +81,7 @@ class EngineCore:
         finally:
             if trace is not None:
                 trace.close()
+            self.requests.close()
 
     def _loop(self, trace: Any) -> None:
         self._send([])  # the counters before any step: /metrics shows every replica's pools from the start
@@ -127,6 +130,7 @@ class EngineCore:
             elif isinstance(msg, AbortRequests):
                 for rid in msg.request_ids:
                     self._live.pop(rid, None)
+                    self.requests.forget(rid)
                     self.engine.abort(rid)
             elif isinstance(msg, Shutdown):
                 return False
@@ -146,6 +150,7 @@ class EngineCore:
             return
         self._live[msg.request_id] = frontend
         self._accepted.append((frontend, msg.request_id))
+        self.requests.arrived(msg.request_id, time.monotonic())
 
     def _deltas(self, seqs: list[Any]) -> list[tuple[int, RequestDelta]]:
         """The step's `SeqDelta`s as messages with their frontends, without those of requests aborted
@@ -165,6 +170,7 @@ class EngineCore:
     def _fail_all(self) -> None:
         for rid, frontend in list(self._live.items()):
             self._failed.append((frontend, rid))
+            self.requests.forget(rid)
             try:
                 self.engine.abort(rid)
             except Exception:
@@ -189,6 +195,11 @@ class EngineCore:
                 msgs[f].failed.append(rid)
         self._accepted, self._rejected, self._failed = [], [], []
         self._changed = False
+        if self.requests.enabled:
+            now = time.monotonic()
+            for _, d in deltas:
+                if d.token_ids:
+                    self.requests.first_token(d.request_id, now)
         for outbox, msg in zip(self.outboxes, msgs):
             outbox.send(self.codec.encode(msg))
 

@@ -27,13 +27,14 @@ class Scheduler:
     """Decides what each step computes and owns every request's memory.
 
     Policy (`schedule_policy`): "mixed" (default) gives every step a decode row for each running
-    request first, then prefill chunks under what is left of the `max_prefill_tokens` budget, in one
-    extend batch (a decode row is an extend row of one new token on its prefix), so arriving prompts
-    never stall running streams; a step without prefill work is a plain decode batch (graphs). With
-    "prefill_first" a step prefills only (no decode) while prompts wait, and decodes otherwise.
-    Prefill is FIFO; a prompt that does not fit the budget is chunked across steps, and at most one
-    request is mid-prefill: it stays at the head of `waiting`. When a decode step cannot
-    get a slot per request, the most recently admitted requests are retracted (memory freed,
+    request first, then prefill chunks under what is left of the `max_prefill_tokens` budget (at most
+    `max_mixed_prefill_tokens` of them while anything decodes), in one extend batch (a decode row is
+    an extend row of one new token on its prefix), so arriving prompts never stall running streams
+    and a burst of them lengthens their steps only so much; a step without prefill work is a plain
+    decode batch (graphs). With "prefill_first" a step prefills only (no decode) while prompts wait,
+    and decodes otherwise. Prefill is FIFO; a prompt that does not fit the budget is chunked across
+    steps, and at most one request is mid-prefill: it stays at the head of `waiting`. When a decode
+    step cannot get a slot per request, the most recently admitted requests are retracted (memory freed,
     re-queued at the front, recomputed later with their output so far), so no request starves and
     a lone request always fits (admission checks it against the whole pool).
 
@@ -124,8 +125,11 @@ class Scheduler:
         if self.config.schedule_policy == "prefill_first":
             return self._schedule_extend(budget) or self._schedule_decode()
         decode = self._schedule_decode()  # decode first: its slots are taken before any prefill's
-        n_dec = decode.num_tokens if decode is not None else 0
-        extend = self._schedule_extend(budget - n_dec) if self.waiting and budget > n_dec else None
+        if decode is not None:
+            budget -= decode.num_tokens
+            if self.config.max_mixed_prefill_tokens is not None:
+                budget = min(budget, self.config.max_mixed_prefill_tokens)
+        extend = self._schedule_extend(budget) if self.waiting and budget > 0 else None
         if extend is None or decode is None:
             return extend or decode
         return ScheduleBatch(

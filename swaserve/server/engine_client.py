@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from swaserve.core.engine_core import CoreSpec
 from swaserve.core.messages import AbortRequests, AddRequest, RequestDelta, StepOutputs
+from swaserve.core.request_trace import RequestTrace
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.server.core_pool import CorePool, replica_specs
 from swaserve.server.generation import Generation
@@ -85,6 +86,7 @@ class EngineClient:
         self._posts: dict[int, tuple[asyncio.Queue[list[Update]], list[Update]]] = {}
         self._token_text: dict[int, str] = {}
         self._readers: list[asyncio.Task] = []
+        self.requests = RequestTrace(f"frontend{frontend}")  # first-token times (off unless its env is set)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -108,6 +110,7 @@ class EngineClient:
         """Fail what is still open with a 503, stop the readers and the cores (waiting up to `timeout` s)."""
         self._stopping = True
         self._fail_all(_SHUTTING_DOWN)
+        self.requests.close()
         for reader in self._readers:
             reader.cancel()
         await asyncio.to_thread(self.stop_cores, timeout)
@@ -156,6 +159,7 @@ class EngineClient:
             self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica)
             sampling = {k: v for k, v in sub.sampling.items() if k != "stop"}
             sampling["max_tokens"] = params.max_tokens
+            self.requests.arrived(sub.request_id, arrival)
             cores.add(replica, AddRequest(sub.request_id, ids, sampling, self.frontend))
         return gen
 
@@ -167,6 +171,7 @@ class EngineClient:
 
     def _untrack(self, request_id: str) -> _Track | None:
         track = self._tracks.pop(request_id, None)
+        self.requests.forget(request_id)
         if track is not None and self.cores is not None:
             self.cores.done(track.replica)
         return track
@@ -243,6 +248,7 @@ class EngineClient:
         if new_ids:
             if track.tokens == 0:
                 self.metrics.ttft.observe(now - track.arrival)
+                self.requests.first_token(delta.request_id, now)
             else:
                 self.metrics.itl.observe((now - track.last_token) / len(new_ids), len(new_ids))
             track.last_token = now

@@ -19,12 +19,13 @@ ARRIVALS = [(0, list(range(3, 23))), (0, list(range(40, 45))), (3, list(range(60
             (9, list(range(80, 110)))]
 
 
-def _run(path, policy: str, overlap: bool, backend: str = "torch_native") -> tuple[dict[str, list[int]], set[str]]:
+def _run(path, policy: str, overlap: bool, backend: str = "torch_native",
+         mixed_cap: int | None = None) -> tuple[dict[str, list[int]], set[str]]:
     config, model = load_model_from_dir(path, "cpu", torch.float32)
     engine = Engine(LoadedModel(config, model, None, "tiny"), device="cpu", dtype=torch.float32,
                     kv_cache_bytes=60_000, swa_full_tokens_ratio=0.25, swa_evict_chunk=1,
                     max_running_requests=4, max_prefill_tokens=7, schedule_policy=policy,
-                    overlap_schedule=overlap, attention_backend=backend)
+                    max_mixed_prefill_tokens=mixed_cap, overlap_schedule=overlap, attention_backend=backend)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out: dict[str, list[int]] = {}
     kinds: set[str] = set()
@@ -49,11 +50,12 @@ def _run(path, policy: str, overlap: bool, backend: str = "torch_native") -> tup
     return out, kinds
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_mixed_batches_match_prefill_first(tmp_path, overlap):
+@pytest.mark.parametrize("overlap,mixed_cap", [(False, None), (True, None), (True, 2)])
+def test_mixed_batches_match_prefill_first(tmp_path, overlap, mixed_cap):
+    """`mixed_cap`: prefill chunks of at most 2 tokens while anything decodes (more chunk boundaries)."""
     make_hf_model("gemma3", tmp_path, seed=5)
     ref, ref_kinds = _run(tmp_path, "prefill_first", overlap=False)
-    got, kinds = _run(tmp_path, "mixed", overlap=overlap)
+    got, kinds = _run(tmp_path, "mixed", overlap=overlap, mixed_cap=mixed_cap)
     assert "mixed" in kinds and "mixed" not in ref_kinds
     assert len(ref) == len(ARRIVALS) and all(len(t) == 12 for t in ref.values())
     assert got == ref

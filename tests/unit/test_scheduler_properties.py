@@ -32,14 +32,15 @@ def fake_next_token(ids: list[int]) -> int:
 
 
 def make_scheduler(full: int, swa: int | None, window: int, chunk: int, max_running: int, ctx: int = 64,
-                   policy: str = "mixed"):
+                   policy: str = "mixed", mixed_cap: int | None = None):
     table = ReqToTokenPool(max_running + 2, ctx)
     if swa is None:
         alloc, ev = TokenToKVPoolAllocator(full), None
     else:
         alloc = SWATokenToKVPoolAllocator(full, swa)
         ev = SWAEvictor(alloc, table, window, margin=1, chunk=2)
-    cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=chunk, schedule_policy=policy)
+    cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=chunk, schedule_policy=policy,
+                          max_mixed_prefill_tokens=mixed_cap)
     return Scheduler(cfg, ctx, table, alloc, ev)
 
 
@@ -122,11 +123,12 @@ ops = st.lists(
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, hybrid=st.booleans(), swa=st.integers(16, 40), chunk=st.integers(3, 16), max_running=st.integers(1, 5),
-       overlap=st.booleans(), policy=st.sampled_from(SCHEDULE_POLICIES))
-def test_random_workloads_keep_integrity_and_free_everything(ops, hybrid, swa, chunk, max_running, overlap, policy):
+       overlap=st.booleans(), policy=st.sampled_from(SCHEDULE_POLICIES), mixed_cap=st.none() | st.integers(1, 6))
+def test_random_workloads_keep_integrity_and_free_everything(ops, hybrid, swa, chunk, max_running, overlap, policy,
+                                                             mixed_cap):
     window = 4
     s = make_scheduler(full=60, swa=swa if hybrid else None, window=window, chunk=chunk, max_running=max_running,
-                       policy=policy)
+                       policy=policy, mixed_cap=mixed_cap)
     dev = FakeDevice(s, overlap)
     reqs: list[Req] = []
     for op, a, b, stops in ops:
@@ -179,6 +181,27 @@ def test_chunked_prefill_and_retraction_happen(overlap, policy):
     assert max(n for m, n in modes if m is ForwardMode.EXTEND) <= 5
     assert s.retractions_total > 0, "3 x 30 tokens cannot fit in 40 slots at once"
     assert all(r.num_output == 18 for r in reqs)
+    check_outputs(reqs)
+
+
+def test_mixed_prefill_cap_bounds_prefill_only_while_decoding():
+    """`max_mixed_prefill_tokens`: a step that decodes carries at most that many prefill tokens; a
+    step with nothing to decode prefills under the whole budget."""
+    s = make_scheduler(full=200, swa=None, window=4, chunk=16, max_running=4, ctx=64, mixed_cap=3)
+    reqs = [Req(f"r{i}", f"r{i}", 0, 20, list(range(1 + i, 21 + i)), Params(6), 0, frozenset()) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    steps = []
+    dev = FakeDevice(s, overlap=False)
+    while dev.busy():
+        b = dev.step()
+        if b is not None:
+            steps.append((b.num_decode, b.num_tokens - b.num_decode))
+        s.check_integrity()
+    assert steps[0] == (0, 16), "nothing decodes yet: the whole budget prefills"
+    mixed = [p for d, p in steps if d and p]
+    assert mixed and max(mixed) == 3, steps
+    assert all(r.num_output == 6 for r in reqs)
     check_outputs(reqs)
 
 
