@@ -26,26 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import ttft_breakdown  # noqa: E402
-
-
-@dataclass
-class Timing:
-    """One request: absolute monotonic times (comparable across processes on Linux)."""
-
-    arrival: float = 0.0
-    first: float = 0.0  # first token (offline) / first chunk with text (served)
-    chunks: list[float] = field(default_factory=list)  # every token (offline) / text chunk (served)
-    end: float = 0.0
-    output_tokens: int = 0
-    error: str = ""
-    added: float = 0.0  # offline: when the engine got it (the next step boundary after its arrival)
-    rid: str = ""  # served: the response id (joins the server's request trace)
+from benchmarks.load_client import Timing, client_proc, one_request  # noqa: E402
 
 
 def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int, float]]:
@@ -127,54 +113,6 @@ def run_offline(args: argparse.Namespace, reqs: list, engine_opts: dict,
     return timings, duration
 
 
-async def _one(http, url: str, i: int, ids: list[int], n_out: int, stream: bool, at: float, model: str) -> Timing:
-    await asyncio.sleep(max(0.0, at - time.monotonic()))
-    t = Timing(arrival=time.monotonic())
-    body = {"model": model, "prompt": ids, "max_tokens": n_out, "temperature": 0, "ignore_eos": True, "stream": stream}
-    try:
-        if not stream:
-            r = await http.post(url, json=body)
-            r.raise_for_status()
-            t.end = time.monotonic()
-            got = r.json()
-            t.output_tokens, t.rid = got["usage"]["completion_tokens"], got["id"]
-            return t
-        body["stream_options"] = {"include_usage": True}
-        async with http.stream("POST", url, json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.monotonic()
-                if '"usage":{' in line:  # the final chunk (only it carries a usage object)
-                    t.output_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-                elif '"text":""' not in line:
-                    if not t.first:
-                        t.first = now
-                        t.rid = json.loads(line[6:])["id"]
-                    t.chunks.append(now)
-        t.end = time.monotonic()
-    except Exception as e:  # noqa: BLE001  (a failed request is counted, not fatal)
-        t.error = f"{type(e).__name__}: {e}"
-    return t
-
-
-def _client_proc(url: str, model: str, jobs: list, stream: bool, start: float, conn) -> None:
-    """One load-generator process: its share of the requests on one event loop, one raw httpx client."""
-    import httpx
-
-    async def main() -> list[Timing]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
-            return await asyncio.gather(*(_one(http, url, i, ids, n, stream, start + at, model)
-                                          for i, ids, n, at in jobs))
-
-    cpu0 = time.process_time()
-    timings = asyncio.run(main())
-    conn.send(([asdict(t) for t in timings], time.process_time() - cpu0))
-    conn.close()
-
-
 def _cpu_seconds(pid: int) -> tuple[float, float]:
     """(main thread, whole process) CPU seconds of `pid` (Linux /proc; zeros elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -212,6 +150,20 @@ def server_processes(server_pid: int) -> dict[str, int]:
     return procs
 
 
+def warm_up(url: str, model: str, reqs: list, n: int) -> None:
+    """`n` streaming requests at once on new connections, so every frontend process behind the port
+    (the kernel spreads connections over them) has served one before the clock starts."""
+    body = {"model": model, "max_tokens": 4, "ignore_eos": True, "temperature": 0, "stream": True}
+    bodies = [json.dumps({**body, "prompt": reqs[i % len(reqs)][0][:32]}).encode() for i in range(n)]
+
+    async def main() -> list[Timing]:
+        return await asyncio.gather(*(one_request(url, b, True, time.monotonic()) for b in bodies))
+
+    failed = [t.error for t in asyncio.run(main()) if t.error]
+    if failed:
+        raise SystemExit(f"warm-up request failed: {failed[0]}")
+
+
 def run_served(args: argparse.Namespace, base: str, model: str, reqs: list, stream: bool,
                server: dict[str, int] | None = None) -> tuple[list[Timing], float, float, dict[str, float]]:
     """Every request through the server from `--clients` processes; (timings, duration, client CPU s,
@@ -227,7 +179,7 @@ def run_served(args: argparse.Namespace, base: str, model: str, reqs: list, stre
     pipes, procs = [], []
     for share in shares:
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_client_proc, args=(base + "/completions", model, share, stream, start, child))
+        p = ctx.Process(target=client_proc, args=(base + "/completions", model, share, stream, start, child))
         p.start()
         pipes.append(parent)
         procs.append(p)
@@ -384,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("server did not become healthy")
                 time.sleep(0.2)
             model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            warm = {"model": model, "prompt": reqs[0][0][:32], "max_tokens": 4, "ignore_eos": True, "temperature": 0}
-            httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # as offline's warm-up
+            warm_up(url + "/v1/completions", model, reqs, 4 * args.api_server_count)  # as offline's warm-up
             for mode in ("stream", "nonstream"):
                 if mode in modes:
                     timings, duration, cpu, server_cpu = run_served(

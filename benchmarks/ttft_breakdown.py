@@ -11,18 +11,20 @@ import json
 from typing import Any
 
 OFFLINE_STAGES = ("wait for the step boundary", "engine: add -> first token out")
-SERVED_STAGES = ("client -> frontend (HTTP, parsing)", "frontend -> core (IPC, wait for the running step)",
+SERVED_STAGES = ("client -> frontend route (HTTP)", "frontend: body, parse, tokenize, send",
+                 "frontend -> core (IPC, wait for the running step)",
                  "engine: add -> first token sent", "core -> frontend (IPC)",
                  "frontend -> client (detokenize, SSE)")
 
 
-def _read(pattern: str) -> dict[str, tuple[float, float]]:
+def _read(pattern: str) -> dict[str, list[float]]:
+    """{request: [*t_in, t_first]} from every trace file matching `pattern`."""
     out = {}
     for path in glob.glob(pattern):
         with open(path) as f:
             for line in f:
-                rid, t_in, t_first = json.loads(line)
-                out[rid] = (t_in, t_first)
+                rid, *times = json.loads(line)
+                out[rid] = times
     return out
 
 
@@ -39,9 +41,9 @@ def served(timings: list[Any], prefix: str) -> dict[str, list[float]]:
         rid = f"{t.rid}-0"
         if not t.first or rid not in core or rid not in front:
             continue
-        (f_in, f_first), (c_in, c_first) = front[rid], core[rid]
-        for vals, v in zip(stages, (f_in - t.arrival, c_in - f_in, c_first - c_in, f_first - c_first,
-                                    t.first - f_first)):
+        (f_in, f_sent, f_first), (c_in, c_first) = front[rid], core[rid]
+        for vals, v in zip(stages, (f_in - t.arrival, f_sent - f_in, c_in - f_sent, c_first - c_in,
+                                    f_first - c_first, t.first - f_first)):
             vals.append(v)
     return dict(zip(SERVED_STAGES, stages))
 

@@ -108,6 +108,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
         req = await _parse(request, CompletionRequest, max_body_bytes)
         check_model(req.model)
         rid, n = f"cmpl-{uuid.uuid4().hex}", req.num_choices
@@ -123,10 +124,11 @@ def create_app(
         ]
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
         choices = Choices(len(subs), n, chat=False, logprobs=req.logprobs)
-        return await _respond(request, client.generate(subs), head, choices, req.stream, req.include_usage)
+        return await _respond(request, client.generate(subs, arrival), head, choices, req.stream, req.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
         req = await _parse(request, ChatCompletionRequest, max_body_bytes)
         check_model(req.model)
         rid, messages = f"chatcmpl-{uuid.uuid4().hex}", [m.as_template_dict() for m in req.messages]
@@ -142,7 +144,7 @@ def create_app(
         ]
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
         choices = Choices(len(subs), len(subs), chat=True, logprobs=logprobs)
-        return await _respond(request, client.generate(subs), head, choices, req.stream, req.include_usage)
+        return await _respond(request, client.generate(subs, arrival), head, choices, req.stream, req.include_usage)
 
     return app
 

@@ -138,11 +138,13 @@ class EngineClient:
 
     # ---- requests ----------------------------------------------------------------------------------
 
-    def generate(self, subs: list[SubRequest]) -> Generation:
+    def generate(self, subs: list[SubRequest], arrival: float | None = None) -> Generation:
+        """Send `subs` (one API request's sequences) to a core; `arrival`: when the request reached the
+        server (its route handler's start; default now), what TTFT and E2E are counted from."""
         if not self.alive:
             raise _CORE_DEAD if self.core_died else _SHUTTING_DOWN
         gen = Generation(subs, abort=self.abort)
-        arrival = time.monotonic()
+        arrival = time.monotonic() if arrival is None else arrival
         cores = self.cores
         assert cores is not None
         replica = cores.pick()  # n > 1: every choice on one replica
@@ -159,8 +161,8 @@ class EngineClient:
             self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica)
             sampling = {k: v for k, v in sub.sampling.items() if k != "stop"}
             sampling["max_tokens"] = params.max_tokens
-            self.requests.arrived(sub.request_id, arrival)
             cores.add(replica, AddRequest(sub.request_id, ids, sampling, self.frontend))
+            self.requests.arrived(sub.request_id, arrival, time.monotonic())
         return gen
 
     def abort(self, request_id: str) -> None:
