@@ -2,7 +2,9 @@
 64..4096 tokens (captured token counts and padded ones) and mixed steps (running decodes plus a
 prefill chunk). Per step: time off/on (CUDA events around the whole step, host work included:
 launch overhead is what the pieces remove) and whether the final hidden states of every token are
-bit-identical between the two paths."""
+bit-identical between the two paths. With --profile, where a piecewise mixed step's time goes: host
+time of the step's launch path (eager attention between the pieces, graph replays) against its wall
+time and the GPU kernel time inside it."""
 
 from __future__ import annotations
 
@@ -67,6 +69,57 @@ class Steps:
         return sorted(times)[len(times) // 2], self.runner.step_states.clone()
 
 
+def profile_step(steps: Steps, parts, pw, repeats: int) -> dict:
+    """Per step (piecewise on, medians / means over `repeats`): wall ms (CUDA events), host ms until
+    the step's last launch returns, host ms inside the eager attention between the pieces and inside
+    graph replays, and GPU kernel ms (torch.profiler, kernels inside graphs included)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    spent = {"attend": 0.0, "replay": 0.0}
+    attend, replay = pw._attend, torch.cuda.CUDAGraph.replay
+
+    def timed(key, fn):
+        def wrapper(*args):
+            t = time.perf_counter()
+            fn(*args)
+            spent[key] += time.perf_counter() - t
+        return wrapper
+
+    pw._attend, torch.cuda.CUDAGraph.replay = timed("attend", attend), timed("replay", replay)
+    steps.runner.piecewise = pw
+    walls, hosts = [], []
+    try:
+        for i in range(repeats + 2):
+            if i == 2:
+                spent.update(attend=0.0, replay=0.0)
+            batch = steps.batch(parts)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            steps.runner.greedy_tokens(steps.runner.forward_hidden(batch))
+            t1 = time.perf_counter()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= 2:
+                walls.append(start.elapsed_time(end))
+                hosts.append(1000 * (t1 - t0))
+    finally:
+        del pw._attend
+        torch.cuda.CUDAGraph.replay = replay
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            steps.runner.greedy_tokens(steps.runner.forward_hidden(steps.batch(parts)))
+        torch.cuda.synchronize()
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / repeats
+    return dict(wall_ms=sorted(walls)[len(walls) // 2], host_ms=sorted(hosts)[len(hosts) // 2],
+                attend_host_ms=1000 * spent["attend"] / repeats, replay_host_ms=1000 * spent["replay"] / repeats,
+                gpu_kernel_ms=kernels, attention_sites=len(pw.sites[next(s for s in pw.sizes
+                                                                        if s >= sum(p[3] for p in parts))]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="1b")
@@ -77,6 +130,7 @@ def main() -> None:
     ap.add_argument("--kv-mb", type=int, default=16384)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--json", help="append one JSON line per step here")
+    ap.add_argument("--profile", action="store_true", help="only: where the time of each mixed step goes")
     a = ap.parse_args()
     from swaserve.engine import Engine
 
@@ -100,6 +154,15 @@ def main() -> None:
     for d, c in mixed:
         row, slots = steps.request(c)
         cases.append((f"mixed {d}+{c}", [(r, s, DECODE_CONTEXT, 1) for r, s in decodes[:d]] + [(row, slots, 0, c)]))
+    if a.profile:
+        print(f"piecewise mixed steps, {a.shape} bf16, {hardware()}: ms per step")
+        print(f"{'step':>18} {'wall':>7} {'host':>7} {'attend host':>12} {'replays host':>13} {'GPU kernels':>12} sites")
+        for name, parts in cases:
+            if name.startswith("mixed"):
+                r = profile_step(steps, parts, pw, a.repeats)
+                print(f"{name:>18} {r['wall_ms']:>7.2f} {r['host_ms']:>7.2f} {r['attend_host_ms']:>12.2f} "
+                      f"{r['replay_host_ms']:>13.2f} {r['gpu_kernel_ms']:>12.2f} {r['attention_sites']:>5}", flush=True)
+        return
     rows = []
     for name, parts in cases:
         T = sum(p[3] for p in parts)

@@ -11,7 +11,8 @@
 # throughput off vs on, top kernels) and det_serve (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap_eagle (overlap vs
 # sync engines, EAGLE-3 heads); for issue 22: pw_graphs
-# (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py), mimo_serve
+# (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
+# where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo. Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
@@ -130,6 +131,9 @@ for step in "${steps[@]}"; do
             kv=16384
             [ "$shape" = 4b ] && kv=36864
             run "$step" 400 python3 benchmarks/piecewise.py --shape "$shape" --kv-mb $kv $det ;;
+        pw_profile)  # issue 21: where a piecewise mixed step's time goes (host launch path vs GPU kernels)
+            run pw_profile 300 python3 benchmarks/piecewise.py --shape 1b --kv-mb 16384 --profile --chunks 64 \
+                --mixed 8+56,40+280,40+640 ;;
         mimo_serve)  # issue 22: MiMo-V2 reduced shape, 200 @ 128 through the server, decode + piecewise graphs
             d=$(model_dir mimo-6l)
             run mimo_serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
