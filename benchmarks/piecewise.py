@@ -109,14 +109,17 @@ def profile_step(steps: Steps, parts, pw, repeats: int) -> dict:
     finally:
         del pw._attend
         torch.cuda.CUDAGraph.replay = replay
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(repeats):
             steps.runner.greedy_tokens(steps.runner.forward_hidden(steps.batch(parts)))
         torch.cuda.synchronize()
-    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / repeats
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels = sum(e.self_device_time_total for e in events) / 1000 / repeats
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
     return dict(wall_ms=sorted(walls)[len(walls) // 2], host_ms=sorted(hosts)[len(hosts) // 2],
                 attend_host_ms=1000 * spent["attend"] / repeats, replay_host_ms=1000 * spent["replay"] / repeats,
-                gpu_kernel_ms=kernels, attention_sites=len(pw.sites[next(s for s in pw.sizes
+                gpu_kernel_ms=kernels, top_kernels=[(e.key[:60], e.self_device_time_total / 1000 / repeats, e.count // repeats)
+                                                    for e in top], attention_sites=len(pw.sites[next(s for s in pw.sizes
                                                                         if s >= sum(p[3] for p in parts))]))
 
 
@@ -162,6 +165,8 @@ def main() -> None:
                 r = profile_step(steps, parts, pw, a.repeats)
                 print(f"{name:>18} {r['wall_ms']:>7.2f} {r['host_ms']:>7.2f} {r['attend_host_ms']:>12.2f} "
                       f"{r['replay_host_ms']:>13.2f} {r['gpu_kernel_ms']:>12.2f} {r['attention_sites']:>5}", flush=True)
+                for key, ms, count in r["top_kernels"]:
+                    print(f"{'':>20}{ms:7.3f} ms  x{count:<4} {key}")
         return
     rows = []
     for name, parts in cases:
