@@ -131,6 +131,8 @@ for step in "${steps[@]}"; do
             kv=16384
             [ "$shape" = 4b ] && kv=36864
             run "$step" 400 python3 benchmarks/piecewise.py --shape "$shape" --kv-mb $kv $det ;;
+        launch_overhead)  # issue 21: host time per eager attention launch
+            run launch_overhead 120 python3 benchmarks/launch_overhead.py ;;
         pw_profile)  # issue 21: where a piecewise mixed step's time goes (host launch path vs GPU kernels)
             run pw_profile 300 python3 benchmarks/piecewise.py --shape 1b --kv-mb 16384 --profile --chunks 64 \
                 --mixed 8+56,40+280,40+640 ;;

@@ -1,5 +1,6 @@
 """TritonAttnBackend (kernels in Triton's CPU interpreter) against the torch-native oracle through the
-real scheduler: hybrid pools with eviction, chunked prefill crossing the window, batched decode.
+real scheduler: hybrid pools with eviction, chunked prefill crossing the window, batched decode, and
+mixed steps (decode rows as one-token extends beside a prefill chunk).
 Pins DESIGN.md §5 in CPU CI: every list an SWA-pool layer reads is in SWA space."""
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _run_side_by_side(ref, tri) -> None:
     while ref.scheduler.has_unfinished():
         batches = [rt.scheduler.schedule() for rt in (ref, tri)]
         assert [r.rid for r in batches[0].reqs] == [r.rid for r in batches[1].reqs]
-        modes.add(batches[0].mode.value)
+        modes.add(batches[0].kind)
         logits = [rt.runner.forward(b.to_forward_batch("cpu", host_decode_inputs=True)) for rt, b in zip((ref, tri), batches)]
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
         idx = batches[0].sample_indices()
@@ -62,7 +63,7 @@ def _run_side_by_side(ref, tri) -> None:
         for rt, b in zip((ref, tri), batches):
             rt.scheduler.process_output(b, tokens)
             rt.scheduler.check_integrity()
-    assert modes == {"extend", "decode"}
+    assert modes == {"extend", "mixed", "decode"}
     tri.scheduler.reset_prefix_cache()  # the prefix cache keeps finished prompts until then
     full, swa = tri.allocator.full, tri.allocator.swa
     assert swa.size < full.size and sum(len(p) + 12 for p in prompts) > swa.size, "SWA slots were recycled"
