@@ -41,14 +41,10 @@ def _arg_key(a: Any) -> Any:
     return "v", a
 
 
-def _hook_active(hook: Any) -> bool:
-    """Triton 3.6 keeps launch hooks as (usually empty) `HookChain`s; older ones as None or a callable."""
-    return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
-
-
 def _hooks_set() -> bool:
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return runtime is None or _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    return runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
 
 
 class FastLaunch:
