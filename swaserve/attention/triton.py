@@ -50,13 +50,7 @@ class TritonMetadata:
     swa_out_cache_loc: torch.Tensor | None  # [num_tokens] int32, device
     qo_indptr: torch.Tensor | None = None  # [bs+1] int32, device (extend)
     prefix_lens: torch.Tensor | None = None  # [bs] int32, device (extend)
-    max_extend_len: int = 0  # extend: over the rows after the decode rows
-    # Mixed steps: the leading one-token rows (running requests' decodes) attend through decode
-    # lists (their keys incl. the new token) with the split decode kernel, the rest through the
-    # extend kernel; 0 in other steps.
-    decode_rows: int = 0
-    decode_full: KVList | None = None
-    decode_window: KVList | None = None
+    max_extend_len: int = 0
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -160,30 +154,10 @@ class TritonAttnBackend(AttentionBackend):
             qo[1:] = ext.cumsum(0)
             meta.qo_indptr = to_device(qo, self.device)
             meta.prefix_lens = to_device(prefix, self.device)
-            nd = _leading_decode_rows(batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu)
-            meta.max_extend_len = max(batch.extend_seq_lens_cpu[nd:], default=0)
+            meta.max_extend_len = max(batch.extend_seq_lens_cpu)
             kv_lens = first_q = meta.prefix_lens  # the earliest query of request b is at prefix_len_b
             full_cap = sum(batch.extend_prefix_lens_cpu)
-            if nd:
-                self._decode_lists(batch, meta, nd)
         self._lists(batch, meta, static, kv_lens, first_q, full_cap, bs * (self.window or 0))
-
-    def _decode_lists(self, batch: ForwardBatch, meta: TritonMetadata, nd: int) -> None:
-        """Decode key lists (keys 0..seq_len-1, or the window ending there) of the first `nd` rows."""
-        table = self.req_to_token.req_to_token
-        rows, kv_lens = batch.req_pool_indices[:nd], batch.seq_lens[:nd]
-
-        def lists(cap: int, window: int | None, table_map: torch.Tensor | None) -> KVList:
-            kl = self._alloc(nd, cap)
-            build_kv_indices(table, rows, kv_lens, kl.indptr, kl.indices, window=window, full_to_swa=table_map,
-                             kv_start=kl.start)
-            return kl
-
-        meta.decode_rows = nd
-        if self._has_full:
-            meta.decode_full = lists(sum(batch.seq_lens_cpu[:nd]), None, None)
-        if self.window is not None:
-            meta.decode_window = lists(nd * self.window, self.window, self.full_to_swa)
 
     def _lists(self, batch: ForwardBatch, meta: TritonMetadata, static: dict[str, KVList] | None,
                kv_lens: torch.Tensor, first_q: torch.Tensor | None, full_cap: int, win_cap: int) -> None:
@@ -256,29 +230,18 @@ class TritonAttnBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
         softcap = spec.logit_softcap or 0.0
         if batch.is_decode:
-            self._decode(q, out, k_buf, v_buf, kl, batch.batch_size, spec, windowed, sinks)
-            return out
-        nd = meta.decode_rows
-        if nd:
-            dl = meta.decode_window if windowed else meta.decode_full
-            assert dl is not None
-            self._decode(q[:nd], out[:nd], k_buf, v_buf, dl, nd, spec, windowed, sinks)
-        if nd < batch.batch_size:
-            assert meta.qo_indptr is not None and meta.prefix_lens is not None
-            extend_attention(q, k, v, out, k_buf, v_buf, meta.qo_indptr[nd:], kl.indptr[nd:], kl.indices,
-                             meta.prefix_lens[nd:], spec.scaling, max_extend_len=meta.max_extend_len,
-                             window=spec.sliding_window, logit_softcap=softcap, sinks=sinks,
-                             prefix_start=kl.start[nd:])
+            splits = self._num_splits(batch.batch_size, spec, windowed)
+            counters = self._split_counters
+            need = split_counter_count(batch.batch_size, spec.num_heads, spec.num_kv_heads)
+            if counters is not None and need > counters.numel():
+                counters = None
+            decode_attention(q, k_buf, v_buf, kl.indptr, kl.indices, out, spec.scaling,
+                             logit_softcap=softcap, sinks=sinks, num_kv_splits=splits, split_counters=counters)
+        else:
+            extend_attention(q, k, v, out, k_buf, v_buf, meta.qo_indptr, kl.indptr, kl.indices, meta.prefix_lens,
+                             spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
+                             logit_softcap=softcap, sinks=sinks, prefix_start=kl.start)
         return out
-
-    def _decode(self, q: torch.Tensor, out: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kl: KVList,
-                bs: int, spec: AttentionSpec, windowed: bool, sinks: torch.Tensor | None) -> None:
-        splits = self._num_splits(bs, spec, windowed)
-        counters = self._split_counters
-        if counters is not None and split_counter_count(bs, spec.num_heads, spec.num_kv_heads) > counters.numel():
-            counters = None
-        decode_attention(q, k_buf, v_buf, kl.indptr, kl.indices, out, spec.scaling, logit_softcap=spec.logit_softcap
-                         or 0.0, sinks=sinks, num_kv_splits=splits, split_counters=counters)
 
     def _num_splits(self, bs: int, spec: AttentionSpec, windowed: bool) -> int:
         # Depends only on static shapes, so the value a graph was captured with stays valid.
@@ -288,11 +251,3 @@ class TritonAttnBackend(AttentionBackend):
             self._splits[key] = num_kv_splits_for(bs, spec.num_heads, spec.num_kv_heads, max_len, self._num_sms)
         return self._splits[key]
 
-
-def _leading_decode_rows(ext: list[int], prefix: list[int]) -> int:
-    """How many leading rows of an extend batch are one-token extends on a cached prefix (a mixed
-    step's decodes: the scheduler puts them first)."""
-    n = 0
-    while n < len(ext) and ext[n] == 1 and prefix[n] > 0:
-        n += 1
-    return n
