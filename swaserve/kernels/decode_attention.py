@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _dot, _finish, _online_step, _scores, dot_flags
-from swaserve.kernels.launch import FastLaunch
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 
@@ -170,9 +169,6 @@ def num_kv_splits_for(
     return max(1, min(max_splits, triton.cdiv(2 * num_sms, programs), triton.cdiv(max_kv_len, block_n)))
 
 
-_stage1_launch, _stage2_launch = FastLaunch(_decode_stage1), FastLaunch(_decode_stage2)  # eager in mixed steps
-
-
 def decode_attention(
     q: torch.Tensor,  # [bs, H, Dk], device
     k_buf: torch.Tensor,  # [slots, Hkv, Dk] the layer's pool, in the index list's space
@@ -239,26 +235,25 @@ def decode_attention(
     upcast, prec = dot_flags(q.dtype)
     sinks_arg = sinks if sinks is not None else q
     kw = {"num_warps": num_warps, "num_stages": num_stages, **pdl_kwargs(q)}
-    _stage1_launch((bs, HKV * head_blocks, num_kv_splits), (
+    _decode_stage1[(bs, HKV * head_blocks, num_kv_splits)](
         q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks_arg,
         split_counters if fused else kv_indptr, scaling, logit_softcap if logit_softcap else 1.0,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0,
         mid_lse.stride(0), mid_lse.stride(1),
-    ), dict(
         GROUP=group, HEAD_BLOCKS=head_blocks, DK=DK, DV=DV,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_block_d(DK), BLOCK_DV=_block_d(DV),
         NUM_SPLITS=num_kv_splits, MIN_CHUNK=max(block_n, min_split_len),
         DIRECT=direct, FUSED_REDUCE=fused, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
-        UPCAST=upcast, PREC=prec,
-    ), **kw)
+        UPCAST=upcast, PREC=prec, **kw,
+    )
     if not direct and not fused:
-        _stage2_launch((bs, H), (
+        _decode_stage2[(bs, H)](
             kv_indptr, out, mid_o, mid_lse, sinks_arg,
             out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1),
-        ), dict(
             DV=DV, BLOCK_DV=_block_d(DV), BLOCK_N=block_n,
             NUM_SPLITS=num_kv_splits, MIN_CHUNK=max(block_n, min_split_len), HAS_SINKS=sinks is not None,
-        ), **pdl_kwargs(q))
+            **pdl_kwargs(q),
+        )
     return out

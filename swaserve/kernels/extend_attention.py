@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _dot, _finish, _online_step, _scores, dot_flags
-from swaserve.kernels.launch import FastLaunch
 
 
 @triton.jit
@@ -110,9 +109,6 @@ def _default_config(block_d: int, elem_bytes: int = 2) -> tuple[int, int, int, i
     return 64, 32, 8, 2
 
 
-_extend_launch = FastLaunch(_extend_kernel)  # eager once per layer in prefill and mixed steps
-
-
 def extend_attention(
     q: torch.Tensor,  # [T, H, Dk], device: new tokens, request after request
     k_new: torch.Tensor,  # [T, Hkv, Dk]: K of the new tokens
@@ -159,16 +155,15 @@ def extend_attention(
     upcast, prec = dot_flags(q.dtype)
     kw = {"num_warps": num_warps or warps, "num_stages": num_stages or stages}
     grid = (bs, H, triton.cdiv(max_extend_len, block_m))
-    _extend_launch(grid, (
+    _extend_kernel[grid](
         q, k_new, v_new, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, prefix_lens,
         prefix_start if prefix_start is not None else prefix_lens,
         sinks if sinks is not None else q, scaling, logit_softcap if logit_softcap else 1.0,
         window if window is not None else 0,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-    ), dict(
         GROUP=H // HKV, DK=DK, DV=DV, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv,
         HAS_WINDOW=window is not None, HAS_PSTART=prefix_start is not None,
-        HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None, UPCAST=upcast, PREC=prec,
-    ), **kw)
+        HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None, UPCAST=upcast, PREC=prec, **kw,
+    )
     return out
