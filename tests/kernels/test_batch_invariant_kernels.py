@@ -75,8 +75,9 @@ def test_bi_linear_chunk_sum_in_the_last_program_equals_a_second_launch(device, 
 
 # ---- unified_attention -----------------------------------------------------------------------------
 
-def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None):
-    """reqs: (prefix, new) per request; runs the kernel with every K/V already in the pools."""
+def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None, chunk=None, which=None):
+    """reqs: (prefix, new) per request (`which`: their indices among the pools' requests, default
+    0..); runs the kernel with every K/V already in the pools."""
     swa = window is not None
     k_buf, v_buf = (pools.k_swa, pools.v_swa) if swa else (pools.k_full, pools.v_full)
     Dk, Dv = k_buf.shape[2], v_buf.shape[2]
@@ -85,9 +86,11 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     out = torch.full((T, H, Dv), float("nan"), dtype=dtype, device=device)  # poison: every row must be written
     qo = torch.tensor([0] + [n for _, n in reqs], device=device).cumsum(0).int()
     seq = torch.tensor([p + n for p, n in reqs], dtype=torch.int32, device=device)
-    unified_attention(q, out, k_buf, v_buf, pools.req_to_token, pools.rows[: len(reqs)], seq, qo, 0.125,
+    rows = pools.rows[: len(reqs)] if which is None else pools.rows[torch.tensor(which, device=pools.rows.device)]
+    unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125,
                       max_extend_len=max(n for _, n in reqs), window=window,
-                      full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks)
+                      full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks,
+                      chunk=chunk)
     return q, out
 
 
@@ -97,16 +100,28 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     pytest.param(2, 2, 64, 64, torch.float32, None, 0.0, False, id="mha-full"),
     pytest.param(3, 1, 16, 16, torch.float32, 70, 0.0, True, id="gqa3-window-past-a-block"),
 ])
-def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, device, seed):
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, chunk, device, seed):
+    """`chunk` 64: keys reduced in chunks of 64 positions (decode: split over programs and merged),
+    contexts of up to 4 chunks; None: the engine's (one chunk here)."""
     g = torch.Generator().manual_seed(seed)
     # (prefix, new): decode rows (new = 1) and extend rows, positions W-1, W, W+1, 2W+3 and past 64.
-    reqs = [(0, 21), (5, 7), (7, 1), (8, 1), (19, 1), (60, 20), (100, 1)]
+    reqs = [(0, 21), (5, 7), (7, 1), (8, 1), (19, 1), (60, 20), (100, 1), (190, 1), (120, 70)]
     lens = [p + n for p, n in reqs]
     # Sliding layers: positions no query can see are evicted (full_to_swa = 0 -> NaN dummy slot).
     swa_from = [max(0, p - window + 1) for p, _ in reqs] if window else None
     pools = make_pools(lens, Hkv, Dk, Dv, dtype, g, device, swa_from=swa_from)
     sinks = torch.randn(H, generator=g).to(device) if use_sinks else None
-    q, out = _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap, sinks)
+    q, out = _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap, sinks, chunk)
+    which = [b for b, (_, n) in enumerate(reqs) if n == 1]  # the decode rows alone: split and merged
+    q_dec, out_dec = _attend(pools, [reqs[b] for b in which], H, Hkv, window, dtype,
+                             torch.Generator().manual_seed(seed + 1), device, softcap, sinks, chunk, which)
+    for i, b in enumerate(which):
+        p = reqs[b][0]
+        pos = torch.arange(p + 1)
+        ref = attend_ref(q_dec[i: i + 1], pools.k_true[b].to(device), pools.v_true[b].to(device),
+                         window_mask(pos[p:], pos, window).to(device), 0.125, softcap, sinks)
+        torch.testing.assert_close(out_dec[i: i + 1].double(), ref, **tolerances(dtype))
     off = 0
     for b, (p, n) in enumerate(reqs):
         pos = torch.arange(p + n)
@@ -148,15 +163,17 @@ def test_unified_attention_reads_new_tokens_in_swa_space(device, seed):
     assert not torch.allclose(bad, out)
 
 
+@pytest.mark.parametrize("window", [40, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, device, seed):
-    """One request's 70 queries computed as one extend, as chunks at other boundaries (the earlier
-    chunks' K/V cached), as decode rows, and next to other requests: bitwise the same rows."""
+def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window, device, seed):
+    """One request's 150 queries computed as one extend, as chunks at other boundaries (the earlier
+    chunks' K/V cached), as decode rows (keys split over programs by 64-key chunk, then merged), and
+    next to other requests: bitwise the same rows."""
     g = torch.Generator().manual_seed(seed)
-    H, Hkv, D, window = 4, 1, 32, 40
-    lens = [70, 50, 9]
+    H, Hkv, D, N = 4, 1, 32, 150
+    lens = [N, 50, 9]
     pools = make_pools(lens, Hkv, D, D, dtype, g, device, finite_dummy=True)
-    q_all = torch.randn(70, H, D, generator=g).to(dtype).to(device)
+    q_all = torch.randn(N, H, D, generator=g).to(dtype).to(device)
 
     def run(reqs_order: list[tuple[int, int, int]]) -> dict[int, torch.Tensor]:
         """reqs_order: (request, prefix, new); returns request 0's rows by position."""
@@ -171,7 +188,7 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, device,
         q = torch.cat(qs)
         out = torch.empty_like(q)
         unified_attention(q, out, pools.k_full, pools.v_full, pools.req_to_token, rows, seq, qo, 0.125,
-                          max_extend_len=max(n for _, _, n in reqs_order), window=window)
+                          max_extend_len=max(n for _, _, n in reqs_order), window=window, chunk=64)
         res, off = {}, 0
         for r, p, n in reqs_order:
             if r == 0:
@@ -179,13 +196,13 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, device,
             off += n
         return res
 
-    whole = run([(0, 0, 70)])
+    whole = run([(0, 0, N)])
     variants = [
-        run([(0, 0, 33), (1, 20, 30)]) | run([(2, 3, 6), (0, 33, 37)]),  # two chunks, other traffic
-        run([(0, 0, 64)]) | run([(1, 0, 1), (0, 64, 6)]),  # a chunk edge on a key-block edge
-        {**run([(0, 0, 61)]), **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)])[p] for p in range(61, 70)}},  # decode
+        run([(0, 0, 33), (1, 20, 30)]) | run([(2, 3, 6), (0, 33, N - 33)]),  # two chunks, other traffic
+        run([(0, 0, 64)]) | run([(1, 0, 1), (0, 64, N - 64)]),  # a prefill edge on a key-chunk edge
+        {**run([(0, 0, 120)]), **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)])[p] for p in range(120, N)}},  # decode
     ]
     for v in variants:
-        assert sorted(v) == list(range(70))
-        for p in range(70):
+        assert sorted(v) == list(range(N))
+        for p in range(N):
             assert torch.equal(v[p], whole[p]), p
