@@ -1,5 +1,5 @@
 """The SWA-aware radix tree: token-id runs whose nodes own full-pool slots, and SWA slots only where
-still live (a node without them is a tombstone). Matching, insertion, locks and integrity."""
+still live (a node without them is a tombstone). Matching, insertion, locks (integrity: integrity.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from swaserve.memory.allocator import TokenToKVPoolAllocator
 from swaserve.memory.swa import SWATokenToKVPoolAllocator
+from swaserve.prefix_cache.integrity import check_tree
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -285,29 +286,7 @@ class RadixCache:
 
     def check_integrity(self) -> None:
         """Structure, liveness against the SWA mapping, no free tombstone leaf, counters, locks."""
-        counts = [0, 0, 0, 0]
-        table = self.allocator.full_to_swa if self.hybrid else None  # type: ignore[union-attr]
-        for n in self.nodes():
-            p = n.parent
-            assert p is not None and p.children.get(n.key[0]) is n, "child not under its first token"
-            assert len(n.key) == n.value.numel() > 0 and n.start == p.end, "node key/value/start mismatch"
-            assert int(n.value.min()) >= 1, "the prefix cache owns slot 0"
-            assert n.lock >= n.swa_lock >= 0, "lock < swa_lock"
-            assert n.lock >= sum(c.lock for c in n.children.values()), "a child is locked more than its parent"
-            assert n.children or n.live or n.lock > 0, "an unlocked leaf is a tombstone"
-            if table is not None:
-                mapped = table[n.value] > 0
-                assert bool(mapped.all()) if n.live else not bool(mapped.any()), "node liveness != SWA mapping"
-            ln = len(n.key)
-            counts[0] += ln
-            counts[1] += ln if n.live and self.hybrid else 0
-            counts[2] += ln if n.lock == 0 else 0
-            counts[3] += ln if n.live and self.hybrid and n.swa_lock == 0 else 0
-        assert counts == [self.full_cached, self.swa_cached, self.full_evictable, self.swa_evictable], (
-            f"cache counters {[self.full_cached, self.swa_cached, self.full_evictable, self.swa_evictable]} "
-            f"!= recount {counts}")
-        owned = self.owned_slots()
-        assert torch.unique(owned).numel() == owned.numel(), "a slot is owned by two cache nodes"
+        check_tree(self)
 
 
 def _common(key: list[int], ids: Sequence[int], start: int, end: int) -> int:
