@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import ttft_breakdown  # noqa: E402
+from benchmarks.ttft_breakdown import pct  # noqa: E402
 from benchmarks.load_client import Timing, client_proc, one_request  # noqa: E402
 
 
@@ -201,13 +202,6 @@ def run_served(args: argparse.Namespace, base: str, model: str, reqs: list, stre
     return timings, duration, cpu, server_cpu
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))] * 1000
-
-
 def summarize(name: str, timings: list[Timing], duration: float, client_cpu: float | None = None) -> dict:
     ok = [t for t in timings if not t.error]
     ttft = [t.first - t.arrival for t in ok if t.first]
@@ -218,7 +212,7 @@ def summarize(name: str, timings: list[Timing], duration: float, client_cpu: flo
     row = {"path": name, "completed": len(ok), "failed": len(timings) - len(ok), "duration_s": duration,
            "output_tok_s": out / duration, "output_tokens": out}
     for key, vals in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e)):
-        row[f"{key}_p50_ms"], row[f"{key}_p99_ms"] = _pct(vals, 0.5), _pct(vals, 0.99)
+        row[f"{key}_p50_ms"], row[f"{key}_p99_ms"] = pct(vals, 0.5), pct(vals, 0.99)
     if client_cpu is not None:
         row["client_cpu_pct"] = 100 * client_cpu / duration  # of one core
     errors = [t.error for t in timings if t.error]

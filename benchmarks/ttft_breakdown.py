@@ -48,7 +48,8 @@ def served(timings: list[Any], prefix: str) -> dict[str, list[float]]:
     return dict(zip(SERVED_STAGES, stages))
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (seconds) in ms; nan when empty."""
     s = sorted(values)
     return s[min(len(s) - 1, round(q * (len(s) - 1)))] * 1000 if s else float("nan")
 
@@ -59,6 +60,6 @@ def print_breakdown(name: str, stages: dict[str, list[float]]) -> dict[str, Any]
     out = {}
     for stage, vals in stages.items():
         mean = 1000 * sum(vals) / len(vals) if vals else float("nan")
-        out[stage] = [_pct(vals, 0.5), _pct(vals, 0.99), mean, len(vals)]
+        out[stage] = [pct(vals, 0.5), pct(vals, 0.99), mean, len(vals)]
         print(f"  {stage:<52}{out[stage][0]:>7.2f}{out[stage][1]:>9.2f}{mean:>9.2f}{len(vals):>7}")
     return out

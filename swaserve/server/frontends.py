@@ -203,7 +203,8 @@ class _Group:
 def _frontend_main(index: int, core: CoreSpec, tokenizer: Any, cfg: ServerConfig, endpoints: list[tuple[str, str]],
                    sock: socket.socket, events: Any, supervisor: int) -> None:
     """One frontend process: attach to the cores, report ready, serve on the shared socket."""
-    from swaserve.server.launch import freeze_startup_objects, make_server
+    from swaserve.core.engine_core import freeze_startup_objects
+    from swaserve.server.launch import make_server
 
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor alone, which stops the frontends in order
     threading.Thread(target=_exit_with_parent, args=(supervisor,), daemon=True).start()

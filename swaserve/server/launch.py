@@ -5,7 +5,6 @@ and the entry points `serve_main` (`swaserve serve`) and `main` (`python -m swas
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import signal
 import socket
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import uvicorn
 
 from swaserve.config import ServerConfig
-from swaserve.core.engine_core import CoreSpec
+from swaserve.core.engine_core import CoreSpec, freeze_startup_objects
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -81,14 +80,6 @@ def build_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = N
     except BaseException:
         server.config.app.state.engine_client.stop_cores(5.0)
         raise
-
-
-def freeze_startup_objects() -> None:
-    """Move what a serving process built at startup (tokenizer, app, routes) out of the cyclic
-    collector's view, so that no full collection walks it between two SSE chunks. Called by the
-    processes that serve until exit, just before they serve (not by in-process test servers)."""
-    gc.collect()
-    gc.freeze()
 
 
 def run_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = None) -> int:
