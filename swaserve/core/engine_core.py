@@ -71,7 +71,8 @@ class EngineCore:
         self._rejected: list[tuple[int, Rejected]] = []
         self._failed: list[tuple[int, str]] = []
         self._changed = False
-        self.requests = RequestTrace(f"core{os.getpid()}")  # first-token times per request (off unless its env is set)
+        # First-token times per request (off unless SWASERVE_REQUEST_TRACE is set).
+        self.requests = RequestTrace(f"core{os.getpid()}")
 
     def run(self) -> None:
         trace_path = os.environ.get(TRACE_ENV)

@@ -126,12 +126,13 @@ def _unified_kernel(
         c = c_lo + tl.program_id(2)
         if c > c_hi:
             return
-        m, l, acc = _chunk(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, c, lo, hi, q_pos, rmask, kvh, dk, dv,
-                           qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
-                           CHUNK, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST,
-                           PREC, ROWWISE)
+        m, l, acc = _chunk(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, c, lo, hi, q_pos, rmask, kvh,
+                           dk, dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt,
+                           stride_vh, CHUNK, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP,
+                           HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
         part = ((q_lo + t) * H + heads) * NC + tl.program_id(2)  # [BLOCK_M] int64
-        tl.store(part_acc + part[:, None] * DV + dv[None, :], acc, mask=rmask[:, None] & (dv[None, :] < DV))
+        tl.store(part_acc + part[:, None] * DV + dv[None, :], acc,
+                 mask=rmask[:, None] & (dv[None, :] < DV))
         tl.store(part_ml + part * 2, m, mask=rmask)
         tl.store(part_ml + part * 2 + 1, l, mask=rmask)
     else:
@@ -139,10 +140,10 @@ def _unified_kernel(
         L = tl.zeros([BLOCK_M], tl.float32)
         ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for c in range(c_lo, c_hi + 1):
-            m, l, acc = _chunk(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, c, lo, hi, q_pos, rmask, kvh, dk,
-                               dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
-                               CHUNK, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP,
-                               UPCAST, PREC, ROWWISE)
+            m, l, acc = _chunk(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, c, lo, hi, q_pos, rmask,
+                               kvh, dk, dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh,
+                               stride_vt, stride_vh, CHUNK, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
+                               HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
             M, L, ACC = _fold(M, L, ACC, m, l, acc)
         o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
         tl.store(out + (q_lo + t)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
