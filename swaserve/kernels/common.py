@@ -86,6 +86,19 @@ def _dot_rows(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.conste
 
 
 @triton.jit
+def _dot_chain(a, b, acc, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr):
+    """`acc + a @ b` as one chain of MMAs into `acc` (the accumulator is the MMA's addend, never a
+    separate sum): each output is then reduced along K in the same order whatever the tile shape or
+    BLOCK_K (what `bi_matmul` rests on, measured per GPU). `ROWWISE` (the interpreter): an explicit
+    multiply and sum, whose order depends on BLOCK_K, so callers keep BLOCK_K fixed there."""
+    if ROWWISE:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
 def _scores(qk, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """Raw q.k -> logits in log2 units (so the softmax can use exp2)."""
     if HAS_SOFTCAP:

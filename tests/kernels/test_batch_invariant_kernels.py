@@ -1,5 +1,5 @@
-"""The deterministic mode's kernels: `bi_linear` (one reduction order for every M: split and one-program
-forms and every tiling bitwise equal) and `unified_attention` (decode and extend through the request
+"""The deterministic mode's kernels: `bi_linear` (one reduction order for every M: every tiling bitwise
+equal) and `unified_attention` (decode and extend through the request
 table, SWA space for sliding layers) against references, and bitwise invariance of a row to its batch
 and chunking."""
 
@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed; kernel tests need
 
 from kernel_ref import attend_ref, make_pools, tolerances, window_mask
 
-from swaserve.kernels.bi_matmul import TILINGS, WIDE, bi_linear, num_chunks
+from swaserve.kernels.bi_matmul import Tiling, bi_linear, tiling
 from swaserve.kernels.unified_attention import unified_attention
 
 
@@ -33,44 +33,27 @@ def test_bi_linear_matches_reference(dtype, bias, device, seed):
         torch.testing.assert_close(y.double(), ref, **tolerances(y.dtype if out_dtype is None else dtype))
 
 
-def test_bi_linear_split_equals_one_program_and_rows_are_batch_invariant(device, seed):
+def test_bi_linear_rows_are_batch_invariant_across_tilings(device, seed):
+    """A row's bits whatever its batch: the rule's tilings (which follow M and the GPU's SM count),
+    every tiling of its ladders, and others of other widths and K steps all give the row it gets alone."""
     g = torch.Generator().manual_seed(seed)
     K, N = 2048, 96
-    assert num_chunks(N, K, 8)[0] > 1, "the shape must give several K chunks for this test to mean anything"
     w = torch.randn(N, K, generator=g).bfloat16().to(device)
     # Input-major storage (GPT-OSS experts): the same weight through a transposed view.
     w_t = w.T.contiguous().T
     probe = torch.randn(1, K, generator=g).bfloat16().to(device)
-    alone = bi_linear(probe, w, split=False)
-    assert torch.equal(bi_linear(probe, w, split=True), alone)
+    alone = bi_linear(probe, w)
     assert torch.equal(bi_linear(probe, w_t), alone)
-    # Every tiling of the table (and a narrower one) sums a row alike: the table may follow M.
-    tiles = (WIDE, *TILINGS)
+    ms = (2, 70, 130, 300)
+    assert len({tiling(m, N, K, torch.bfloat16, 8) for m in (1, *ms)}) >= 3, "the rule must vary with M here"
+    ladders = {tiling(m, N, K, torch.bfloat16, sms) for m in (1, 20, 100, 200, 300) for sms in (1, 100, 10**6)}
+    tiles = (*ladders, Tiling(16, 16, 128, 4, 2), Tiling(64, 128, 64, 4, 3))
     for M, at in ((2, 1), (70, 0), (70, 66), (130, 64), (300, 299)):
         x = torch.randn(M, K, generator=g).bfloat16().to(device)
         x[at] = probe[0]
-        for split in (False, True):
-            assert torch.equal(bi_linear(x, w, split=split)[at], alone[0]), (M, at, split)
-            for t in tiles:
-                assert torch.equal(bi_linear(x, w, split=split, tile=t)[at], alone[0]), (M, at, split, t)
-
-
-def test_bi_linear_chunk_sum_in_the_last_program_equals_a_second_launch(device, seed, monkeypatch):
-    """Split chunks are added by the last of a tile's programs (tile counters, left zero for the next
-    launch) or, inside a CUDA-graph capture that finds no counters yet, by a second kernel: same bits."""
-    from swaserve.kernels import bi_matmul
-
-    g = torch.Generator().manual_seed(seed)
-    K, N, M = 2048, 160, 5
-    w = torch.randn(N, K, generator=g).bfloat16().to(device)
-    b = torch.randn(N, generator=g).bfloat16().to(device)
-    x = torch.randn(M, K, generator=g).bfloat16().to(device)
-    fused = bi_linear(x, w, b, split=True)
-    counters = bi_matmul.split_counters(x.device)
-    assert counters is not None and not counters.any(), "every launch leaves its tile counters at zero"
-    monkeypatch.setattr(bi_matmul, "split_counters", lambda device: None)
-    assert torch.equal(bi_linear(x, w, b, split=True), fused)
-    assert torch.equal(bi_linear(x, w, b, split=False), fused)
+        assert torch.equal(bi_linear(x, w)[at], alone[0]), (M, at)
+        for t in tiles:
+            assert torch.equal(bi_linear(x, w, tile=t)[at], alone[0]), (M, at, t)
 
 
 # ---- unified_attention -----------------------------------------------------------------------------
