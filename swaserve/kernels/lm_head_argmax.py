@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.kernels.common import _dot, dot_flags, jit_per_batch
+from swaserve.kernels.common import _dot_chain, dot_flags, jit_per_batch
 
 SMALL_M = 64  # batches up to here take the weight-streaming tiles
 
@@ -84,7 +84,9 @@ def _tile_argmax_kernel(
         a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += _dot(a, tl.trans(b), UPCAST, PREC)
+        # One MMA chain along K, as `bi_matmul` sums: the logits behind a token are the deterministic
+        # mode's logits bit for bit, whatever the tile (native runs; the interpreter's numpy differs).
+        acc = _dot_chain(a, tl.trans(b), acc, UPCAST, PREC, False)
     if HAS_SOFTCAP:
         y = acc / softcap
         # tanh via exp: saturates cleanly to +-1 and needs no libdevice (interpreter).

@@ -7,10 +7,14 @@ aligned to absolute positions (a constant of the engine, never of the batch). Ea
 softmax state is reduced from zero over the same aligned blocks in the same order, and the partials
 are folded in chunk order (`_fold`). Decode steps compute the chunks in parallel programs and fold
 them in a second kernel; extend steps fold them in one program, in registers: the same operations
-on the same tile shapes, so a query gets the same bits decoded or prefilled, whatever else is in the
-batch and wherever the chunk boundaries of its prefill fall. Blocks and chunks a query cannot see
+on the same key blocks, so a query gets the same bits decoded or prefilled, whatever else is in the
+batch and wherever the chunk boundaries of its prefill fall. A decode tile holds one token's query
+heads (16 rows), an extend tile 64: every reduction along a row is therefore one that does not
+depend on the tile's height or thread layout: the max (exact), and dot products on the MMA (q.k,
+p.v, and the softmax's row sum as p times ones, `_row_sum`), whose rounding does not depend on the
+instruction's M (measured per GPU with the GEMM, `bi_matmul`). Blocks and chunks a query cannot see
 (the tile's other queries may) are exact no-ops (p = 0 and a rescale by exp2(0) = 1, or an empty
-state that stays empty). Tiles and launch settings depend only on the head dim and dtype.
+state that stays empty). Tiles and launch settings depend only on the head dim, GQA group and dtype.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import (
-    _block_d, _dot_rows, _finish, _online_step, _scores, dot_flags, interpret_mode, jit_per_batch,
+    _block_d, _dot_rows, _finish, _scores, dot_flags, interpret_mode, jit_per_batch,
 )
 
-BLOCK_M = 64  # rows of a tile: (token, query head of the kv head's group) pairs
+BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
+DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
 MIN_CHUNK = 256  # keys per reduction chunk at least
 MAX_CHUNKS = 32  # a full-attention layer's chunks at most (bounds the decode scratch)
 
@@ -43,6 +48,15 @@ def _fold(M, L, ACC, m, l, acc):
     a = tl.exp2(M - m_safe)
     b = tl.exp2(m - m_safe)
     return m_new, L * a + l * b, ACC * a[:, None] + acc * b[:, None]
+
+
+@triton.jit
+def _row_sum(p, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr):
+    """Row sums of p [R, N] in an order that depends on N only: a product with ones, one chain of
+    MMAs along N like the kernel's other dots (a float32 p: an exact FMA chain), where `tl.sum`'s
+    order follows the tile's thread layout, which changes with R (16-row decode, 64-row extend)."""
+    ones = tl.full([p.shape[1], 16], 1.0, p.dtype)
+    return tl.max(_dot_rows(p, ones, UPCAST, PREC, ROWWISE), axis=1)  # 16 equal columns
 
 
 @triton.jit
@@ -72,10 +86,17 @@ def _chunk(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, c, lo, hi, q_pos, 
         if HAS_WINDOW:
             vis = vis & (q_pos[:, None] - kp[None, :] < window)
         s = tl.where(vis, s, float("-inf"))
-        p, alpha, m, l = _online_step(s, m, l)
+        # The online-softmax step, its row sum on the MMA (`_row_sum`): a row's bits do not depend
+        # on how many rows its tile has (decode and extend tiles differ in height).
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None]).to(q_t.dtype)
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + _row_sum(p, UPCAST, PREC, ROWWISE)
+        m = m_new
         v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
                       mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + _dot_rows(p.to(q_t.dtype), v_t.to(q_t.dtype), UPCAST, PREC, ROWWISE)
+        acc = acc * alpha[:, None] + _dot_rows(p, v_t.to(q_t.dtype), UPCAST, PREC, ROWWISE)
     return m, l, acc
 
 
@@ -194,6 +215,14 @@ def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
     return 64, 4, 2
 
 
+def decode_config(group_p: int, sliding: bool) -> tuple[int, int, int]:
+    """(rows, num_warps, num_stages) of a decode program: one token's query heads in the smallest
+    tile the MMA takes; its key block is the extend tile's. A sliding layer's keys sit behind two
+    gathers (table, then `full_to_swa`): a third stage in flight helps there, not in full layers
+    (H100, benchmarks/results/h100_unified_attention_sweep.log)."""
+    return max(DECODE_BLOCK_M, group_p), 4, 3 if sliding else 2
+
+
 def unified_attention(
     q: torch.Tensor,  # [T, H, Dk]: this step's queries, request after request
     out: torch.Tensor,  # [T, H, Dv], written
@@ -211,6 +240,7 @@ def unified_attention(
     logit_softcap: float = 0.0,
     sinks: torch.Tensor | None = None,  # [H] float
     chunk: int | None = None,  # keys per reduction chunk (default `key_chunk(max_context)`; tests)
+    decode_launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a decode program (sweeps)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
@@ -246,8 +276,11 @@ def unified_attention(
             nc = min(nc, (window - 1) // chunk + 2)  # chunks a window can overlap
         part_acc = torch.empty(T, H, nc, DV, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, H, nc, 2, dtype=torch.float32, device=q.device)
+    block_m = BLOCK_M
+    if split:
+        block_m, warps, stages = decode_launch or decode_config(group_p, window is not None)
     grid = (bs, HKV, nc if split else triton.cdiv(max_extend_len, BLOCK_M // group_p))
-    const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=BLOCK_M, BLOCK_DV=bdv, CHUNK=chunk, NC=nc, H=H,
+    const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, BLOCK_DV=bdv, CHUNK=chunk, NC=nc, H=H,
                  HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None)
     sinks_arg, window_arg = sinks if sinks is not None else q, window if window is not None else 0
     _unified_kernel[grid](

@@ -68,8 +68,8 @@ class LMHead(nn.Module):
     Owns a weight only when untied; a tied head reads the embedding's weight, passed at call time,
     so no parameter is shared between modules (meta-device init and `to_empty` stay simple).
 
-    `batch_invariant` (deterministic mode): logits from `invariant_linear` on every path, and greedy
-    and sampled tokens from those logits (no fused head kernel, whose tiles follow the batch size).
+    `batch_invariant` (deterministic mode): logits from `invariant_linear`; sampled tokens from those
+    logits, greedy ones from the fused argmax kernel, whose logits are the same bits (no soft-cap).
     Vocab-parallel under tensor parallelism (the embedding's row blocks): each rank's logits block
     is gathered, so every rank holds the whole row; greedy is the argmax of that.
     """
@@ -119,7 +119,10 @@ class LMHead(nn.Module):
         a 16-bit model takes it without writing the logits (`kernels.lm_head_argmax`); elsewhere
         it is the argmax of `forward`."""
         weight = embedding.weight if self.tied else self.weight
-        fused = not (self.batch_invariant or self.parallel)
+        # Deterministic mode too: the fused kernel's logits are bi_matmul's bit for bit (one MMA chain
+        # along K), so a row's token is the argmax of the logits a mixed batch's Sampler sees; not
+        # with a soft-cap, which it computes with other float ops than `soft_cap`.
+        fused = not self.parallel and (not self.batch_invariant or self.final_softcap is None)
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and fused:
             from swaserve.kernels.lm_head_argmax import lm_head_argmax
 

@@ -172,7 +172,7 @@ class ModelRunner:
         hidden = self.forward_hidden(prefill)
         self.logits(hidden)
         if hidden.is_cuda and self.deterministic:
-            for n in (1, 65):  # greedy is logits + argmax here; the bi_matmul split and one-program forms
+            for n in (1, 65):  # the fused head's two launch settings (soft-capped heads: logits + argmax)
                 self.greedy_tokens(hidden.new_zeros(n, hidden.shape[1]))
         elif hidden.is_cuda and not tp_group().enabled:  # (tensor parallelism: logits + argmax, as above)
             from swaserve.kernels.lm_head_argmax import SMALL_M, gumbel_noise

@@ -1,0 +1,101 @@
+"""Deterministic mode's decode attention on the GPU: `unified_attention` decode steps (chunk programs +
+merge) over a few (rows, warps, stages) settings against the default mode's `decode_attention` (split
+by batch size), per Gemma 3 head shape, batch size and layer kind (full: 1024 keys; sliding: window
+512 through `full_to_swa`). Prints achieved K/V bandwidth (bytes of keys and values read once ÷ time).
+
+    python benchmarks/unified_attention_sweep.py [--shapes 1b,4b,12b] [--batch-sizes 1,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us  # noqa: E402
+
+from swaserve.kernels import decode_attention, num_kv_splits_for  # noqa: E402
+from swaserve.kernels.common import num_sms  # noqa: E402
+from swaserve.kernels.unified_attention import decode_config, unified_attention  # noqa: E402
+
+SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256)}  # heads, kv heads, head dim
+SETTINGS = [(16, 4, 2), (16, 4, 1), (16, 4, 3), (16, 2, 2), (16, 2, 1), (16, 8, 2), (64, 4, 2)]
+REPS = 4  # calls per captured graph, each over its own keys so the data does not sit in L2
+MAX_CONTEXT, CTX, WINDOW = 4096, 1024, 512
+
+
+def case(shape: str, bs: int, window: int | None) -> dict:
+    H, HKV, D = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    slots = REPS * bs * CTX + 1
+    k_buf = torch.randn(slots, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
+    v_buf = torch.randn(slots, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(bs, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(bs, H, D, device="cuda", dtype=torch.bfloat16)
+    perm = (torch.randperm(slots - 1, device="cuda", generator=g) + 1).to(torch.int32).view(REPS, bs, CTX)
+    tables = torch.zeros(REPS, bs + 1, MAX_CONTEXT, dtype=torch.int32, device="cuda")
+    tables[:, 1:, :CTX] = perm
+    rows = torch.arange(1, bs + 1, device="cuda")
+    seq = torch.full((bs,), CTX, dtype=torch.int32, device="cuda")
+    qo = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
+    # Sliding layers read through full_to_swa (here a permutation of the same slots: the extra gather).
+    f2s = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), perm.flatten()]) if window else None
+    keys = min(CTX, window or CTX)
+    nbytes = 2 * bs * keys * HKV * D * 2
+
+    def unified(launch):
+        return graph_us(lambda i: unified_attention(q, out, k_buf, v_buf, tables[i], rows, seq, qo, D**-0.5,
+                                                    max_extend_len=1, window=window, full_to_swa=f2s,
+                                                    decode_launch=launch), REPS)
+
+    # The default mode's kernel, on the same keys as lists (its SWA layers read SWA slots directly).
+    lists = perm[:, :, CTX - keys:].reshape(REPS, -1)
+    indptr = torch.arange(0, bs * keys + 1, keys, device="cuda", dtype=torch.int32)
+    splits = num_kv_splits_for(bs, H, HKV, keys, num_sms(q.device))
+    default = graph_us(lambda i: decode_attention(q, k_buf, v_buf, indptr, lists[i], out, D**-0.5,
+                                                  num_kv_splits=splits), REPS)
+    timed = {}
+    for s in SETTINGS:
+        try:
+            timed["x".join(map(str, s))] = round(unified(s), 1)
+        except Exception as e:  # out of shared memory etc.: not a candidate
+            timed["x".join(map(str, s))] = type(e).__name__
+    rule = "x".join(map(str, decode_config(triton_next_pow2(H // HKV), window is not None)))
+    best = min((k for k, v in timed.items() if isinstance(v, float)), key=timed.get)
+    return dict(shape=shape, bs=bs, layer="sliding" if window else "full", keys=keys, default_us=round(default, 1),
+                rule=rule, rule_us=timed.get(rule), best=best, best_us=timed[best],
+                rule_tbps=round(nbytes / timed[rule] / 1e6, 2) if isinstance(timed.get(rule), float) else None,
+                settings=timed)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="1b,4b,12b")
+    ap.add_argument("--batch-sizes", default="1,64,256")
+    args = ap.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, context {CTX}, max_context {MAX_CONTEXT}")
+    rows = []
+    for shape in args.shapes.split(","):
+        for bs in map(int, args.batch_sizes.split(",")):
+            for window in (None, WINDOW):
+                r = case(shape, bs, window)
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+                torch.cuda.empty_cache()
+    print(f"\n{'shape':<5} {'bs':>4} {'layer':<8} {'default':>8} {'rule':>8} {'rule/def':>8} {'TB/s':>5}  "
+          f"{'rule':<8} best")
+    for r in rows:
+        print(f"{r['shape']:<5} {r['bs']:>4} {r['layer']:<8} {r['default_us']:>8} {r['rule_us']:>8} "
+              f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {r['rule']:<8} {r['best']} {r['best_us']}")
+
+
+if __name__ == "__main__":
+    main()
