@@ -10,8 +10,8 @@
 # (benchmarks/unified_attention_sweep.py), det_probes_{1b,4b,g4} (64
 # probes alone vs among 100 others, mode on and off), det_cost_1b / det_cost_4b (decode step and offline
 # throughput off vs on, top kernels) and det_serve (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
-# (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap_eagle (overlap vs
-# sync engines, EAGLE-3 heads); for issue 22: pw_graphs
+# (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
+# engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo. Logs in $OUT/<step>.log;
@@ -102,6 +102,8 @@ for step in "${steps[@]}"; do
             run bi_gemm 400 python3 benchmarks/bi_gemm_sweep.py ${BI_GEMM_ARGS:-} ;;
         ua_sweep)  # issue 17: deterministic decode attention's launch settings vs the default mode's kernel
             run ua_sweep 300 python3 benchmarks/unified_attention_sweep.py ;;
+        overlap)  # overlap vs sync engines (fp32, and bf16 in deterministic mode)
+            run overlap 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_overlap_gpu.py ;;
         overlap_eagle)  # overlap vs sync engines and EAGLE-3 heads, each file in its own process
             run overlap 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_overlap_gpu.py
             run eagle3 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_eagle3_gpu.py ;;
