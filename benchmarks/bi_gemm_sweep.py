@@ -29,16 +29,20 @@ HBM, PEAK = 3.35e12, 989e12  # H100 SXM: bytes/s, bf16 dense FLOP/s
 CANDIDATES = [Tiling(16, 16, 256, 4, 4), Tiling(16, 32, 256, 4, 4), Tiling(16, 64, 128, 4, 4), Tiling(16, 64, 256, 4, 3),
               Tiling(64, 16, 256, 4, 4), Tiling(64, 32, 256, 4, 4), Tiling(64, 32, 128, 4, 4), Tiling(64, 64, 128, 4, 4),
               Tiling(64, 128, 64, 4, 4), Tiling(128, 64, 64, 4, 4), Tiling(128, 128, 64, 4, 4),
-              Tiling(128, 128, 64, 8, 4), Tiling(128, 256, 64, 8, 3)]
+              Tiling(128, 128, 64, 8, 4), Tiling(128, 256, 64, 8, 3),
+              # swapped (weight rows on the MMA's M side), decode sizes
+              Tiling(16, 64, 256, 4, 4, True), Tiling(16, 128, 128, 4, 4, True), Tiling(32, 64, 256, 4, 4, True),
+              Tiling(64, 64, 128, 4, 4, True), Tiling(64, 128, 64, 4, 4, True)]
 
 
 def name(t: Tiling) -> str:
-    return f"{t.block_m}x{t.block_n}k{t.block_k}w{t.num_warps}s{t.num_stages}"
+    return f"{t.block_m}x{t.block_n}k{t.block_k}w{t.num_warps}s{t.num_stages}{'sw' if t.swap else ''}"
 
 
 def candidates(M: int) -> list[Tiling]:
     """Tilings worth timing at M: narrow ones up to 256 rows, wide ones from 256."""
-    return [t for t in CANDIDATES if (M <= 256 or t.block_m >= 64 and t.block_n >= 64) and (M >= 256 or t.block_m <= 64)]
+    return [t for t in CANDIDATES if (M <= 256 or t.block_m >= 64 and t.block_n >= 64 and not t.swap)
+            and (M >= 256 or t.block_m <= 64)]
 
 
 def floor_us(M: int, N: int, K: int) -> float:

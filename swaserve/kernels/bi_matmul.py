@@ -3,14 +3,14 @@ the same order whatever M is, so a row never depends on how many other rows shar
 (deterministic inference mode).
 
 The order: one chain of MMAs along K, from zero, each step's product added by the MMA itself into
-the accumulator (`_dot_chain`); no split of K, ever. A tile (block_m x block_n) and its K step
-(block_k) only decide which outputs a program owns and how many MMAs one loop step issues, not the
-order in which an output's products are added, so the tiling may follow M: narrow tiles with long K
-steps for decode-sized batches (enough programs and bytes in flight to stream the weight), wide ones
-for prefill. On tensor cores this rests on a fact measured per GPU (`benchmarks/bi_gemm_sweep.py`,
-and the kernel tests natively with SWASERVE_KERNEL_TESTS_ON_GPU=1): a chained MMA's rounding depends
-neither on the instruction's M/N shape nor on how the chain is cut into loop steps, so every tiling
-gives bitwise equal rows.
+the accumulator (`_dot_chain`); no split of K, ever. A tile (block_m x block_n), its K step
+(block_k) and which operand is the MMA's M side (`swap`) only decide which outputs a program owns
+and how many MMAs one loop step issues, not the order in which an output's products are added, so
+the tiling may follow M: narrow tiles with long K steps for decode-sized batches (enough programs and
+bytes in flight to stream the weight), wide ones for prefill. On tensor cores this rests on a fact
+measured per GPU (`benchmarks/bi_gemm_sweep.py`, and the kernel tests natively with
+SWASERVE_KERNEL_TESTS_ON_GPU=1): a chained MMA's rounding depends neither on the instruction's shape
+or operand order nor on how the chain is cut into loop steps, so every tiling gives bitwise equal rows.
 
 An earlier form cut K into chunks summed from zero and added in order, so decode could split the
 chunks over programs; on the H100 the second accumulator and the restarted pipelines cost 20-75%
@@ -35,6 +35,7 @@ class Tiling(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    swap: bool = False  # weight rows on the MMA's M side, x rows on its N: W_tile @ x_tile^T, stored transposed
 
 
 def _k_step(k: int) -> int:
@@ -43,12 +44,13 @@ def _k_step(k: int) -> int:
 
 # Per band of M, tilings from the widest to the narrowest; a launch takes the first whose tiles fill
 # half the SMs, else the narrowest. Measured on the H100 (benchmarks/results/h100_bi_gemm_sweep.log):
-# decode-sized batches stream the weight fastest with narrow tiles and long K steps, prefill with
-# 128 x 128 tiles. The tiling never changes a result's bits, only its speed.
+# decode-sized batches stream the weight fastest with narrow tiles and long K steps (up to 16 rows
+# with the operands swapped: 4B at one row 94 -> 84 us a layer, results/h100_bi_gemm_sweep_swapped_tiles.log),
+# prefill with 128 x 128 tiles. The tiling never changes a result's bits, only its speed.
 def _ladder(m: int, k: int) -> tuple[Tiling, ...]:
     kx = _k_step(k)
-    if m <= 16:
-        return Tiling(16, 64, 128, 4, 4), Tiling(16, 32, 256, 4, 4)
+    if m <= 16:  # swapped: the weight tile fills the MMA's 64-row side, the few x rows its narrow one
+        return Tiling(16, 128, 128, 4, 4, True), Tiling(16, 64, 256, 4, 4, True)
     if m <= 64:
         return Tiling(64, 128, 64, 4, 4), Tiling(64, 32, kx, 4, 4), Tiling(64, 16, 256, 4, 4)
     if m <= 128:
@@ -74,7 +76,7 @@ def _fit(t: Tiling, dtype: torch.dtype) -> Tiling:
     if interpret_mode():
         return t._replace(block_k=INTERPRET_BLOCK_K)
     if dtype.itemsize >= 4:  # fp32 (no tensor cores): quarter-size K steps, two stages (shared memory)
-        return Tiling(min(t.block_m, 64), min(t.block_n, 64), min(t.block_k, 32), 4, 2)
+        return Tiling(min(t.block_m, 64), min(t.block_n, 64), min(t.block_k, 32), 4, 2, t.swap)
     return t
 
 
@@ -85,8 +87,8 @@ def _fit(t: Tiling, dtype: torch.dtype) -> Tiling:
 def _bi_matmul_kernel(
     x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_wk, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
-    PREC: tl.constexpr, ROWWISE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     # Tiles in groups of GROUP_M row tiles per column tile: a group's programs share weight tiles in L2.
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -105,7 +107,10 @@ def _bi_matmul_kernel(
     # mask along M or N, and none along K when K is a multiple of BLOCK_K, so they vectorise.
     a_rows = x + tl.where(mmask, rm, 0).to(tl.int64)[:, None] * stride_xm
     w_rows = w + tl.where(nmask, rn, 0).to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -116,7 +121,12 @@ def _bi_matmul_kernel(
             a = tl.load(a_rows + rk[None, :], mask=kmask[None, :], other=0.0)
             b = tl.load(w_rows + rk[None, :].to(tl.int64) * stride_wk, mask=kmask[None, :], other=0.0)
         # b is [BLOCK_N, BLOCK_K], K innermost: vector loads from an output-major weight.
-        acc = _dot_chain(a, tl.trans(b), acc, UPCAST, PREC, ROWWISE)
+        if SWAP:
+            acc_t = _dot_chain(b, tl.trans(a), acc_t, UPCAST, PREC, ROWWISE)
+        else:
+            acc = _dot_chain(a, tl.trans(b), acc, UPCAST, PREC, ROWWISE)
+    if SWAP:
+        acc = tl.trans(acc_t)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out.dtype.element_ty),
@@ -164,7 +174,7 @@ def bi_linear(
     _bi_matmul_kernel[grid](
         x, weight, bias if has_bias else x, out, M, N, K, x.stride(0), weight.stride(0), weight.stride(1),
         out.stride(0), HAS_BIAS=has_bias, EVEN_K=K % t.block_k == 0, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(),
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, SWAP=t.swap, UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
