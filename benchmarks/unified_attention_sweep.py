@@ -66,9 +66,11 @@ def case(shape: str, bs: int, window: int | None) -> dict:
             timed["x".join(map(str, s))] = type(e).__name__
     rule = "x".join(map(str, decode_config(triton_next_pow2(H // HKV), window is not None)))
     best = min((k for k, v in timed.items() if isinstance(v, float)), key=timed.get)
-    return dict(shape=shape, bs=bs, layer="sliding" if window else "full", keys=keys, default_us=round(default, 1),
+    return dict(shape=shape, bs=bs, layer="sliding" if window else "full", keys=keys,
+                default_us=round(default, 1),
                 rule=rule, rule_us=timed.get(rule), best=best, best_us=timed[best],
-                rule_tbps=round(nbytes / timed[rule] / 1e6, 2) if isinstance(timed.get(rule), float) else None,
+                rule_tbps=(round(nbytes / timed[rule] / 1e6, 2) if isinstance(timed.get(rule), float)
+                           else None),
                 settings=timed)
 
 
@@ -81,7 +83,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="1b,4b,12b")
     ap.add_argument("--batch-sizes", default="1,64,256")
     args = ap.parse_args()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, context {CTX}, max_context {MAX_CONTEXT}")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, context {CTX}, "
+          f"max_context {MAX_CONTEXT}")
     rows = []
     for shape in args.shapes.split(","):
         for bs in map(int, args.batch_sizes.split(",")):
@@ -94,7 +97,8 @@ def main() -> None:
           f"{'rule':<8} best")
     for r in rows:
         print(f"{r['shape']:<5} {r['bs']:>4} {r['layer']:<8} {r['default_us']:>8} {r['rule_us']:>8} "
-              f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {r['rule']:<8} {r['best']} {r['best_us']}")
+              f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {r['rule']:<8} "
+              f"{r['best']} {r['best_us']}")
 
 
 if __name__ == "__main__":

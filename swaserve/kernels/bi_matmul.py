@@ -35,7 +35,7 @@ class Tiling(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    swap: bool = False  # weight rows on the MMA's M side, x rows on its N: W_tile @ x_tile^T, stored transposed
+    swap: bool = False  # weight rows on the MMA's M side, x rows on its N (W_tile @ x_tile^T, transposed)
 
 
 def _k_step(k: int) -> int:
@@ -61,14 +61,15 @@ def _ladder(m: int, k: int) -> tuple[Tiling, ...]:
 
 
 WIDE = Tiling(128, 128, 64, 4, 4)
-INTERPRET_BLOCK_K = 32  # the interpreter sums each K step on its own (`_dot_chain`): one step for every tiling
+INTERPRET_BLOCK_K = 32  # the interpreter sums each K step apart (`_dot_chain`): one step for every tiling
 
 
 def tiling(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> Tiling:
     """The launch settings for an [m, k] x [n, k]^T product on a GPU with `sms` SMs (any tiling gives
     the same bits)."""
     ladder = _ladder(m, k)
-    t = next((t for t in ladder if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= sms // 2), ladder[-1])
+    fills = (t for t in ladder if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= sms // 2)
+    t = next(fills, ladder[-1])
     return _fit(t, dtype)
 
 
@@ -137,7 +138,8 @@ _COMPILED: set[tuple] = set()
 WARM_ROWS = 16384  # precompile the launch variants of every M up to this the first time a weight is seen
 
 
-def _precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> None:
+def _precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None) -> None:
     """Compile, on the first launch for a weight's shape and layout, every tiling a later batch may
     launch (one row each), so no batch size meets a JIT compile while serving (the engine's warm-up
     forward is that first launch). Not inside a CUDA-graph capture."""
@@ -174,7 +176,8 @@ def bi_linear(
     _bi_matmul_kernel[grid](
         x, weight, bias if has_bias else x, out, M, N, K, x.stride(0), weight.stride(0), weight.stride(1),
         out.stride(0), HAS_BIAS=has_bias, EVEN_K=K % t.block_k == 0, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, SWAP=t.swap, UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(),
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, SWAP=t.swap, UPCAST=upcast, PREC=prec,
+        ROWWISE=interpret_mode(),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out

@@ -46,7 +46,8 @@ def test_bi_linear_rows_are_batch_invariant_across_tilings(device, seed):
     assert torch.equal(bi_linear(probe, w_t), alone)
     ms = (2, 70, 130, 300)
     assert len({tiling(m, N, K, torch.bfloat16, 8) for m in (1, *ms)}) >= 3, "the rule must vary with M here"
-    ladders = {tiling(m, N, K, torch.bfloat16, sms) for m in (1, 20, 100, 200, 300) for sms in (1, 100, 10**6)}
+    ladders = {tiling(m, N, K, torch.bfloat16, sms) for m in (1, 20, 100, 200, 300)
+               for sms in (1, 100, 10**6)}
     tiles = (*ladders, Tiling(16, 16, 128, 4, 2), Tiling(64, 128, 64, 4, 3), Tiling(32, 64, 128, 4, 2, True))
     for M, at in ((2, 1), (70, 0), (70, 66), (130, 64), (300, 299)):
         x = torch.randn(M, K, generator=g).bfloat16().to(device)
