@@ -27,19 +27,24 @@ def bench_point(engine, loaded, bs: int, ctx: int, steps: int, warm: int, bw: fl
     from swaserve.request import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0, max_tokens=warm + steps + 2, ignore_eos=True)
+    # To the context limit: the mixed policy decodes the first prompts while it prefills the others,
+    # so a budget of warm + steps tokens ran out mid-measurement for them (the batch shrank).
+    params = SamplingParams(temperature=0, max_tokens=engine.scheduler.max_context - ctx, ignore_eos=True)
     ids = [f"p{bs}-{ctx}-{i}" for i in range(bs)]
     for rid in ids:
         engine.add_request(rid, torch.randint(10, 200000, (ctx,), generator=g).tolist(), params)
-    while engine.scheduler.waiting:
-        engine.step()
+    while engine.scheduler.waiting or any(r.pending > 1 for r in engine.scheduler.running):
+        engine.step()  # prefill (with the first prompts decoding meanwhile: mixed steps)
     for _ in range(warm):
         engine.step()
     assert len(engine.scheduler.running) == bs, "the whole batch must decode together"
     t0 = now(engine.device)
+    shapes = []
     for _ in range(steps):
         engine.step()
+        shapes.append(engine.last_step)
     dt = now(engine.device) - t0
+    assert all(sh == ("decode", bs, bs) for sh in shapes), f"not all timed steps decoded {bs}: {set(shapes)}"
     for rid in ids:
         engine.abort(rid)
     step = dt / steps
@@ -87,7 +92,7 @@ def main() -> None:
     rows = []
     for shape, (bss, ctxs) in plan.items():
         loaded = random_model(shape, dev, dtype)
-        max_ctx = max(ctxs) + a.steps + a.warmup + 8
+        max_ctx = max(ctxs) + 2 * (a.steps + a.warmup) + 64  # room for the tokens decoded during prefill
         engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=max(bss), max_context=max_ctx,
                         max_prefill_tokens=16384, disable_cuda_graph=a.disable_cuda_graph)
         print(f"# {shape}: {engine.plan.describe()}", flush=True)

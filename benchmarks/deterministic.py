@@ -64,10 +64,13 @@ def drain(engine, reqs: list[tuple[str, list[int], object]]) -> dict[str, list[i
 
 def decode_step_ms(engine, vocab: int, bs: int, ctx: int, steps: int, rng: random.Random,
                    around=contextlib.nullcontext()) -> float:
-    """Decode step time at batch bs (prompts prefilled untimed); `around` wraps the timed steps only."""
+    """Decode step time at batch bs (prompts prefilled untimed); `around` wraps the timed steps only.
+    No request may finish before the timed steps end (the mixed policy decodes the first prompts
+    while it prefills the others): max_tokens runs to the context limit, and every timed step is
+    checked to be a decode of the whole batch."""
     from swaserve.request import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=engine.scheduler.max_context - ctx, ignore_eos=True)
     ids = [f"d{bs}-{i}" for i in range(bs)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(2, vocab) for _ in range(ctx)], params)
@@ -78,10 +81,13 @@ def decode_step_ms(engine, vocab: int, bs: int, ctx: int, steps: int, rng: rando
     sync(engine.device)
     with around:
         t0 = time.perf_counter()
+        shapes = []
         for _ in range(steps):
             engine.step()
+            shapes.append(engine.last_step)
         sync(engine.device)
         dt = (time.perf_counter() - t0) / steps
+    assert all(sh == ("decode", bs, bs) for sh in shapes), f"not all timed steps decoded {bs}: {set(shapes)}"
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
@@ -110,7 +116,27 @@ def profile_decode(engine, vocab: int, bs: int, ctx: int, rng: random.Random) ->
     decode_step_ms(engine, vocab, bs, ctx, 4, rng)  # warm
     prof = profile(activities=[ProfilerActivity.CUDA])
     decode_step_ms(engine, vocab, bs, ctx, 8, rng, around=prof)  # the decode steps only, not the prefill
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=16)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=16) + "\n" + by_launch_shape(prof)
+
+
+def by_launch_shape(prof, top: int = 14) -> str:
+    """The kernels again, split by grid (one GEMM kernel serves every projection; the grid tells them
+    apart): calls, mean and total microseconds, from the profiler's trace."""
+    import tempfile
+    from collections import defaultdict
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    groups = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "kernel":
+            groups[(e["name"][:48], tuple(e.get("args", {}).get("grid", ())))].append(e["dur"])
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
+    lines = [f"{'kernel':<48} {'grid':<16} {'calls':>6} {'mean us':>8} {'total us':>9}"]
+    lines += [f"{k:<48} {str(list(g)):<16} {len(d):>6} {sum(d) / len(d):>8.1f} {sum(d):>9.0f}"
+              for (k, g), d in rows]
+    return "\n".join(lines)
 
 
 def run_cost(args, loaded, device, dtype) -> None:
