@@ -18,14 +18,16 @@ def decode_ms(enable: bool, batch_sizes: list[int], steps: int = 16) -> tuple[di
     e, out = llm.engine, {}
     for bs in batch_sizes:
         for i in range(bs):
-            e.add_request(f"{bs}-{i}", list(range(2 + i, 130 + i)), SamplingParams(temperature=0, max_tokens=steps + 4,
-                                                                                  ignore_eos=True))
-        while e.scheduler.waiting:
+            # Tokens to the context limit: no request may finish during the timed steps.
+            params = SamplingParams(temperature=0, max_tokens=e.scheduler.max_context - 128, ignore_eos=True)
+            e.add_request(f"{bs}-{i}", list(range(2 + i, 130 + i)), params)
+        while e.scheduler.waiting or any(r.pending > 1 for r in e.scheduler.running):
             e.step()
         e.step()
         t = time.perf_counter()
         for _ in range(steps):
             e.step()
+            assert e.last_step == ("decode", bs, bs), e.last_step
         out[bs] = (time.perf_counter() - t) / steps * 1e3
         for i in range(bs):
             e.abort(f"{bs}-{i}")
