@@ -14,7 +14,8 @@ depend on the tile's height or thread layout: the max (exact), and dot products 
 p.v, and the softmax's row sum as p times ones, `_row_sum`), whose rounding does not depend on the
 instruction's M (measured per GPU with the GEMM, `bi_matmul`). Blocks and chunks a query cannot see
 (the tile's other queries may) are exact no-ops (p = 0 and a rescale by exp2(0) = 1, or an empty
-state that stays empty). Tiles and launch settings depend only on the head dim, GQA group and dtype.
+state that stays empty). Tiles and launch settings depend only on the head dim, GQA group, dtype and
+layer kind.
 """
 
 from __future__ import annotations
