@@ -150,7 +150,9 @@ def run_cost(args, loaded, device, dtype) -> None:
             point[f"step_ms_bs{bs}"] = round(decode_step_ms(engine, vocab, bs, args.ctx, args.steps, rng), 3)
         point["offline_tok_s"] = round(offline_tok_s(engine, vocab, args.requests, rng, args.max_context), 1)
         if args.profile and device.type == "cuda":
-            print(f"--- top kernels, 8 decode steps at bs 64, deterministic={det}\n{profile_decode(engine, vocab, 64, args.ctx, rng)}")
+            for bs in [int(b) for b in args.profile_bs.split(",")]:
+                print(f"--- top kernels, 8 decode steps at bs {bs}, deterministic={det}\n"
+                      f"{profile_decode(engine, vocab, bs, args.ctx, rng)}")
         print(json.dumps(point), flush=True)
         rows.append(point)
         del engine
@@ -215,7 +217,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens per request of the decode points")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--requests", type=int, default=512, help="offline throughput requests")
-    ap.add_argument("--profile", action="store_true", help="top GPU kernels of a bs-64 decode step per mode")
+    ap.add_argument("--profile", action="store_true", help="top GPU kernels of decode steps per mode")
+    ap.add_argument("--profile-bs", default="64", help="batch sizes profiled with --profile")
     ap.add_argument("--probes", action="store_true", help="run the probe check instead of the cost table")
     ap.add_argument("--num-probes", type=int, default=64)
     ap.add_argument("--others", type=int, default=100)
