@@ -127,7 +127,7 @@ def by_launch_shape(prof, top: int = 14) -> str:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
     groups = defaultdict(list)
     for e in events:
         if e.get("cat") == "kernel":

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us  # noqa: E402
@@ -64,7 +65,7 @@ def case(shape: str, bs: int, window: int | None) -> dict:
             timed["x".join(map(str, s))] = round(unified(s), 1)
         except Exception as e:  # out of shared memory etc.: not a candidate
             timed["x".join(map(str, s))] = type(e).__name__
-    rule = "x".join(map(str, decode_config(triton_next_pow2(H // HKV), window is not None)))
+    rule = "x".join(map(str, decode_config(triton.next_power_of_2(H // HKV), window is not None)))
     best = min((k for k, v in timed.items() if isinstance(v, float)), key=timed.get)
     return dict(shape=shape, bs=bs, layer="sliding" if window else "full", keys=keys,
                 default_us=round(default, 1),
@@ -72,10 +73,6 @@ def case(shape: str, bs: int, window: int | None) -> dict:
                 rule_tbps=(round(nbytes / timed[rule] / 1e6, 2) if isinstance(timed.get(rule), float)
                            else None),
                 settings=timed)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def main() -> None:

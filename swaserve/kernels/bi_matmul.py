@@ -20,6 +20,7 @@ tiles streams the weight as fast.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -38,43 +39,41 @@ class Tiling(NamedTuple):
     swap: bool = False  # weight rows on the MMA's M side, x rows on its N (W_tile @ x_tile^T, transposed)
 
 
-def _k_step(k: int) -> int:
-    return 256 if k >= 2048 else 128
-
-
-# Per band of M, tilings from the widest to the narrowest; a launch takes the first whose tiles fill
-# half the SMs, else the narrowest. Measured on the H100 (benchmarks/results/h100_bi_gemm_sweep.log):
-# decode-sized batches stream the weight fastest with narrow tiles and long K steps (up to 16 rows
-# with the operands swapped: 4B at one row 94 -> 84 us a layer, results/h100_bi_gemm_sweep_swapped_tiles.log),
-# prefill with 128 x 128 tiles. The tiling never changes a result's bits, only its speed.
-def _ladder(m: int, k: int) -> tuple[Tiling, ...]:
-    kx = _k_step(k)
-    if m <= 16:  # swapped: the weight tile fills the MMA's 64-row side, the few x rows its narrow one
-        return Tiling(16, 128, 128, 4, 4, True), Tiling(16, 64, 256, 4, 4, True)
-    if m <= 64:
-        return Tiling(64, 128, 64, 4, 4), Tiling(64, 32, kx, 4, 4), Tiling(64, 16, 256, 4, 4)
-    if m <= 128:
-        return Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4), Tiling(64, 32, kx, 4, 4)
-    if m <= 256:
-        return WIDE, Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4), Tiling(64, 32, kx, 4, 4)
-    return WIDE, Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4)
-
-
+# Per band of M (rows up to the key), tilings from the widest to the narrowest, by the K step of the
+# narrow tiles (256 for K >= 2048, else 128); a launch takes the first whose tiles fill half the SMs,
+# else the narrowest. Measured on the H100 (benchmarks/results/h100_bi_gemm_sweep.log): decode-sized
+# batches stream the weight fastest with narrow tiles and long K steps (up to 16 rows with the operands
+# swapped: 4B at one row 94 -> 84 us a layer, results/h100_bi_gemm_sweep_swapped_tiles.log), prefill
+# with 128 x 128 tiles. The tiling never changes a result's bits, only its speed.
 WIDE = Tiling(128, 128, 64, 4, 4)
+_LADDERS = {
+    kx: (
+        (16, (Tiling(16, 128, 128, 4, 4, True), Tiling(16, 64, 256, 4, 4, True))),  # swapped
+        (64, (Tiling(64, 128, 64, 4, 4), Tiling(64, 32, kx, 4, 4), Tiling(64, 16, 256, 4, 4))),
+        (128, (Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4), Tiling(64, 32, kx, 4, 4))),
+        (256, (WIDE, Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4), Tiling(64, 32, kx, 4, 4))),
+        (None, (WIDE, Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4))),
+    )
+    for kx in (128, 256)
+}
 INTERPRET_BLOCK_K = 32  # the interpreter sums each K step apart (`_dot_chain`): one step for every tiling
 
 
 def tiling(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> Tiling:
     """The launch settings for an [m, k] x [n, k]^T product on a GPU with `sms` SMs (any tiling gives
     the same bits)."""
-    ladder = _ladder(m, k)
+    return _tiling(m, n, k, dtype, sms, interpret_mode())
+
+
+@functools.lru_cache(maxsize=4096)
+def _tiling(m: int, n: int, k: int, dtype: torch.dtype, sms: int, interpret: bool) -> Tiling:
+    ladder = next(ts for top, ts in _LADDERS[256 if k >= 2048 else 128] if top is None or m <= top)
     fills = (t for t in ladder if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= sms // 2)
-    t = next(fills, ladder[-1])
-    return _fit(t, dtype)
+    return _fit(next(fills, ladder[-1]), dtype, interpret)
 
 
-def _fit(t: Tiling, dtype: torch.dtype) -> Tiling:
-    if interpret_mode():
+def _fit(t: Tiling, dtype: torch.dtype, interpret: bool) -> Tiling:
+    if interpret:
         return t._replace(block_k=INTERPRET_BLOCK_K)
     if dtype.itemsize >= 4:  # fp32 (no tensor cores): quarter-size K steps, two stages (shared memory)
         return Tiling(min(t.block_m, 64), min(t.block_n, 64), min(t.block_k, 32), 4, 2, t.swap)
@@ -169,7 +168,7 @@ def bi_linear(
         return out
     if tile is None and x.is_cuda:
         _precompile(x, weight, bias, out_dtype)
-    t = tiling(M, N, K, x.dtype, num_sms(x.device)) if tile is None else _fit(tile, x.dtype)
+    t = tiling(M, N, K, x.dtype, num_sms(x.device)) if tile is None else _fit(tile, x.dtype, interpret_mode())
     upcast, prec = dot_flags(x.dtype)
     has_bias = bias is not None
     grid = (triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
