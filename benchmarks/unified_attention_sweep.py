@@ -1,9 +1,10 @@
-"""Deterministic mode's decode attention on the GPU: `unified_attention` decode steps (chunk programs +
-merge) over a few (rows, warps, stages) settings against the default mode's `decode_attention` (split
-by batch size), per Gemma 3 head shape, batch size and layer kind (full: 1024 keys; sliding: window
-512 through `full_to_swa`). Prints achieved K/V bandwidth (bytes of keys and values read once ÷ time).
+"""Deterministic mode's decode attention on the GPU: `unified_attention` decode steps (chunk or piece
+programs + merge) over a few (rows, warps, stages) settings, and with programs per chunk and per piece
+forced, against the default mode's `decode_attention` (split by batch size), per Gemma 3 head shape,
+batch size and layer kind (full: 1024 keys; sliding: window 512 through `full_to_swa`). Prints
+achieved K/V bandwidth (bytes of keys and values read once ÷ time).
 
-    python benchmarks/unified_attention_sweep.py [--shapes 1b,4b,12b] [--batch-sizes 1,64,256]
+    python benchmarks/unified_attention_sweep.py [--shapes 1b,4b,12b] [--batch-sizes 1,8,32,64,256]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from swaserve.kernels.common import num_sms  # noqa: E402
 from swaserve.kernels.unified_attention import decode_config, unified_attention  # noqa: E402
 
 SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256)}  # heads, kv heads, head dim
-SETTINGS = [(16, 4, 2), (16, 4, 1), (16, 4, 3), (16, 2, 2), (16, 2, 1), (16, 8, 2), (64, 4, 2)]
+SETTINGS = [(16, 4, 2), (16, 4, 3), (16, 8, 2), (64, 4, 2)]
 REPS = 4  # calls per captured graph, each over its own keys so the data does not sit in L2
 MAX_CONTEXT, CTX, WINDOW = 4096, 1024, 512
 
@@ -48,10 +49,10 @@ def case(shape: str, bs: int, window: int | None) -> dict:
     keys = min(CTX, window or CTX)
     nbytes = 2 * bs * keys * HKV * D * 2
 
-    def unified(launch):
+    def unified(launch, per_piece=None):
         return graph_us(lambda i: unified_attention(q, out, k_buf, v_buf, tables[i], rows, seq, qo, D**-0.5,
                                                     max_extend_len=1, window=window, full_to_swa=f2s,
-                                                    decode_launch=launch), REPS)
+                                                    decode_launch=launch, per_piece=per_piece), REPS)
 
     # The default mode's kernel, on the same keys as lists (its SWA layers read SWA slots directly).
     lists = perm[:, :, CTX - keys:].reshape(REPS, -1)
@@ -65,6 +66,8 @@ def case(shape: str, bs: int, window: int | None) -> dict:
             timed["x".join(map(str, s))] = round(unified(s), 1)
         except Exception as e:  # out of shared memory etc.: not a candidate
             timed["x".join(map(str, s))] = type(e).__name__
+    # The rule's launch with programs per chunk and per piece forced (the default picks by batch).
+    programs = {"chunks": round(unified(None, False), 1), "pieces": round(unified(None, True), 1)}
     rule = "x".join(map(str, decode_config(triton.next_power_of_2(H // HKV), window is not None)))
     best = min((k for k, v in timed.items() if isinstance(v, float)), key=timed.get)
     return dict(shape=shape, bs=bs, layer="sliding" if window else "full", keys=keys,
@@ -72,13 +75,13 @@ def case(shape: str, bs: int, window: int | None) -> dict:
                 rule=rule, rule_us=timed.get(rule), best=best, best_us=timed[best],
                 rule_tbps=(round(nbytes / timed[rule] / 1e6, 2) if isinstance(timed.get(rule), float)
                            else None),
-                settings=timed)
+                programs=programs, settings=timed)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="1b,4b,12b")
-    ap.add_argument("--batch-sizes", default="1,64,256")
+    ap.add_argument("--batch-sizes", default="1,8,32,64,256")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, context {CTX}, "
           f"max_context {MAX_CONTEXT}")
@@ -91,11 +94,11 @@ def main() -> None:
                 rows.append(r)
                 torch.cuda.empty_cache()
     print(f"\n{'shape':<5} {'bs':>4} {'layer':<8} {'default':>8} {'rule':>8} {'rule/def':>8} {'TB/s':>5}  "
-          f"{'rule':<8} best")
+          f"{'chunks':>7} {'pieces':>7}  {'rule':<8} best")
     for r in rows:
         print(f"{r['shape']:<5} {r['bs']:>4} {r['layer']:<8} {r['default_us']:>8} {r['rule_us']:>8} "
-              f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {r['rule']:<8} "
-              f"{r['best']} {r['best_us']}")
+              f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {r['programs']['chunks']:>7} "
+              f"{r['programs']['pieces']:>7}  {r['rule']:<8} {r['best']} {r['best_us']}")
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ for step in "${steps[@]}"; do
         bi_gemm)  # issue 17: the batch-invariant GEMM's tilings vs cuBLAS per projection and M, bitwise invariance
             run bi_gemm 400 python3 benchmarks/bi_gemm_sweep.py ${BI_GEMM_ARGS:-} ;;
         ua_sweep)  # issue 17: deterministic decode attention's launch settings vs the default mode's kernel
-            run ua_sweep 300 python3 benchmarks/unified_attention_sweep.py ;;
+            run ua_sweep 300 python3 benchmarks/unified_attention_sweep.py --shapes 1b,4b ;;
         overlap)  # overlap vs sync engines (fp32, and bf16 in deterministic mode)
             run overlap 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_overlap_gpu.py ;;
         overlap_eagle)  # overlap vs sync engines and EAGLE-3 heads, each file in its own process
