@@ -1,5 +1,5 @@
-"""Deterministic mode's decode attention on the GPU: `unified_attention` decode steps (chunk or piece
-programs + merge) over a few (rows, warps, stages) settings, and with programs per chunk and per piece
+"""Deterministic mode's decode attention on the GPU: `unified_attention` decode steps (chunk or key-block
+programs + merge) over a few (rows, warps, stages) settings, and with programs per chunk and per key block
 forced, against the default mode's `decode_attention` (split by batch size), per Gemma 3 head shape,
 batch size and layer kind (full: 1024 keys; sliding: window 512 through `full_to_swa`). Prints
 achieved K/V bandwidth (bytes of keys and values read once ÷ time).
@@ -49,10 +49,10 @@ def case(shape: str, bs: int, window: int | None) -> dict:
     keys = min(CTX, window or CTX)
     nbytes = 2 * bs * keys * HKV * D * 2
 
-    def unified(launch, per_piece=None):
+    def unified(launch, per_block=None):
         return graph_us(lambda i: unified_attention(q, out, k_buf, v_buf, tables[i], rows, seq, qo, D**-0.5,
                                                     max_extend_len=1, window=window, full_to_swa=f2s,
-                                                    decode_launch=launch, per_piece=per_piece), REPS)
+                                                    decode_launch=launch, per_block=per_block), REPS)
 
     # The default mode's kernel, on the same keys as lists (its SWA layers read SWA slots directly).
     lists = perm[:, :, CTX - keys:].reshape(REPS, -1)
@@ -66,8 +66,8 @@ def case(shape: str, bs: int, window: int | None) -> dict:
             timed["x".join(map(str, s))] = round(unified(s), 1)
         except Exception as e:  # out of shared memory etc.: not a candidate
             timed["x".join(map(str, s))] = type(e).__name__
-    # The rule's launch with programs per chunk and per piece forced (the default picks by batch).
-    programs = {"chunks": round(unified(None, False), 1), "pieces": round(unified(None, True), 1)}
+    # The rule's launch with programs per chunk and per key block forced (the default picks by batch).
+    programs = {"chunks": round(unified(None, False), 1), "blocks": round(unified(None, True), 1)}
     rule = "x".join(map(str, decode_config(triton.next_power_of_2(H // HKV), window is not None)))
     best = min((k for k, v in timed.items() if isinstance(v, float)), key=timed.get)
     return dict(shape=shape, bs=bs, layer="sliding" if window else "full", keys=keys,
@@ -94,11 +94,11 @@ def main() -> None:
                 rows.append(r)
                 torch.cuda.empty_cache()
     print(f"\n{'shape':<5} {'bs':>4} {'layer':<8} {'default':>8} {'rule':>8} {'rule/def':>8} {'TB/s':>5}  "
-          f"{'chunks':>7} {'pieces':>7}  {'rule':<8} best")
+          f"{'chunks':>7} {'blocks':>7}  {'rule':<8} best")
     for r in rows:
         print(f"{r['shape']:<5} {r['bs']:>4} {r['layer']:<8} {r['default_us']:>8} {r['rule_us']:>8} "
               f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {r['programs']['chunks']:>7} "
-              f"{r['programs']['pieces']:>7}  {r['rule']:<8} {r['best']} {r['best_us']}")
+              f"{r['programs']['blocks']:>7}  {r['rule']:<8} {r['best']} {r['best_us']}")
 
 
 if __name__ == "__main__":

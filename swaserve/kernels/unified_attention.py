@@ -25,12 +25,13 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _finish, dot_flags, interpret_mode, jit_per_batch, num_sms
-from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk, key_piece
+from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk
 
-__all__ = ["key_chunk", "key_piece", "unified_attention"]
+__all__ = ["key_chunk", "unified_attention"]
 
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
 DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
+MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at most this many partials
 @jit_per_batch("stride_qt", "stride_ot")
 def _unified_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, sinks,
@@ -38,13 +39,13 @@ def _unified_kernel(
     stride_r2t, stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CHUNK: tl.constexpr, PIECE: tl.constexpr, SPLIT: tl.constexpr, PER_PIECE: tl.constexpr,
-    NP: tl.constexpr, H: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     ROWWISE: tl.constexpr,
 ):
-    """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of chunk
-    c_lo + s (`PER_PIECE`: of piece c_lo * CHUNK / PIECE + s) to `part_acc` / `part_ml`
+    """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
+    UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
     ([T, H, NP, DV] / [T, H, NP, 2] float32) for `_merge_kernel`. Otherwise program (b, kvh, tile)
     folds every chunk of its tile and writes `out`."""
     b = tl.program_id(0)
@@ -78,19 +79,13 @@ def _unified_kernel(
     c_lo, c_hi = lo // CHUNK, hi // CHUNK
     if SPLIT:
         s = tl.program_id(2)
-        if PER_PIECE:
-            pc = c_lo * (CHUNK // PIECE) + s
-            if (pc < lo // PIECE) | (pc > hi // PIECE):
-                return
-            first, size = pc * PIECE, PIECE
-        else:
-            if c_lo + s > c_hi:
-                return
-            first, size = (c_lo + s) * CHUNK, CHUNK
-        m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, first, first + size - 1,
-                          lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_r2t,
-                          stride_kt, stride_kh, stride_vt, stride_vh, PIECE, not PER_PIECE, DK, DV,
-                          BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
+        first = c_lo * CHUNK + s * UNIT
+        if (first + UNIT <= lo) | (first > hi):
+            return
+        m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, first, first + UNIT - 1, lo, hi,
+                          q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_r2t, stride_kt,
+                          stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
+                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
         part = ((q_lo + t) * H + heads) * NP + s  # [BLOCK_M] int64
         tl.store(part_acc + part[:, None] * DV + dv[None, :], acc,
                  mask=rmask[:, None] & (dv[None, :] < DV))
@@ -103,9 +98,8 @@ def _unified_kernel(
         for c in range(c_lo, c_hi + 1):
             m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, c * CHUNK,
                               c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
-                              window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh, PIECE, True, DK,
-                              DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC,
-                              ROWWISE)
+                              window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
+                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
             M, L, ACC = _fold(M, L, ACC, m, l, acc)
         o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
         tl.store(out + (q_lo + t)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
@@ -145,15 +139,14 @@ def unified_attention(
     logit_softcap: float = 0.0,
     sinks: torch.Tensor | None = None,  # [H] float
     chunk: int | None = None,  # keys per reduction chunk (default `key_chunk(max_context)`; tests)
-    piece: int | None = None,  # keys per piece of a chunk (default `key_piece(chunk, BLOCK_N)`; tests)
-    per_piece: bool | None = None,  # decode programs per piece, not per chunk (default: by batch; tests)
+    per_block: bool | None = None,  # decode programs per key block, not per chunk (default: by batch; tests)
     decode_launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a decode program (sweeps)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
     (row 0, seq_len 1) read slot 0 and give finite values. A decode batch (`max_extend_len` 1) splits
-    its keys over programs by chunk, or by piece where chunk programs would leave most of the GPU idle
-    (a few requests): the same bits either way. Every launch setting depends on static shapes only, so
+    its keys over programs by chunk, or by key block where chunk programs would leave most of the GPU
+    idle (a few requests): the same bits either way. Every launch setting depends on static shapes only, so
     it can be captured. No host sync. Returns `out`."""
     T, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
@@ -172,8 +165,7 @@ def unified_attention(
     block_n, warps, stages = unified_config(max(bdk, bdv), q.element_size())
     max_context = req_to_token.shape[1]
     chunk = chunk or key_chunk(max_context)
-    piece = piece or key_piece(chunk, block_n)
-    assert chunk % piece == 0 and piece % block_n == 0, f"block {block_n} | piece {piece} | chunk {chunk}"
+    assert chunk % block_n == 0, f"chunk {chunk} is not a multiple of the key block {block_n}"
     upcast, prec = dot_flags(q.dtype)
     split = max_extend_len == 1
     np_ = 1
@@ -183,17 +175,17 @@ def unified_attention(
         nc = triton.cdiv(max_context, chunk)
         if window is not None:
             nc = min(nc, (window - 1) // chunk + 2)  # chunks a window can overlap
-        if per_piece is None:
-            per_piece = chunk > piece and bs * HKV * nc < num_sms(q.device)
-        np_ = nc * (chunk // piece if per_piece else 1)
+        if per_block is None:  # chunk programs would leave most SMs idle; partials stay few
+            per_block = bs * HKV * nc < num_sms(q.device) and nc * chunk // block_n <= MAX_BLOCK_PARTIALS
+        np_ = nc * (chunk // block_n if per_block else 1)
         part_acc = torch.empty(T, H, np_, DV, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, H, np_, 2, dtype=torch.float32, device=q.device)
     block_m = BLOCK_M
     if split:
         block_m, warps, stages = decode_launch or decode_config(group_p, window is not None)
     grid = (bs, HKV, np_ if split else triton.cdiv(max_extend_len, BLOCK_M // group_p))
-    const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk, PIECE=piece,
-                 PER_PIECE=bool(per_piece), NP=np_, H=H, HAS_WINDOW=window is not None,
+    const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
+                 UNIT=block_n if per_block else chunk, NP=np_, H=H, HAS_WINDOW=window is not None,
                  HAS_SINKS=sinks is not None)
     sinks_arg, window_arg = sinks if sinks is not None else q, window if window is not None else 0
     _unified_kernel[grid](
@@ -207,8 +199,8 @@ def unified_attention(
         num_warps=warps, num_stages=stages,
     )
     if split:
-        # Per-piece partials are many for a few requests: their fold is split over value columns.
-        mdv = max(16, bdv // 4) if per_piece else bdv
+        # Per-block partials are many for a few requests: their fold is split over value columns.
+        mdv = max(16, bdv // 4) if per_block else bdv
         _merge_kernel[(bs, HKV, bdv // mdv)](out, part_acc, part_ml, seq_lens, sinks_arg, window_arg,
                                              out.stride(0), out.stride(1), BLOCK_DV=mdv, **const,
                                              num_warps=warps)

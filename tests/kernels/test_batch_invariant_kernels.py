@@ -80,7 +80,7 @@ def test_fused_greedy_head_matches_bi_linear_logits(device, seed):
 # ---- unified_attention -----------------------------------------------------------------------------
 
 def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None, chunk=None, which=None,
-            piece=None, per_piece=None):
+            per_block=None):
     """reqs: (prefix, new) per request (`which`: their indices among the pools' requests, default
     0..); runs the kernel with every K/V already in the pools."""
     swa = window is not None
@@ -95,7 +95,7 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125,
                       max_extend_len=max(n for _, n in reqs), window=window,
                       full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks,
-                      chunk=chunk, piece=piece, per_piece=per_piece)
+                      chunk=chunk, per_block=per_block)
     return q, out
 
 
@@ -105,12 +105,11 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     pytest.param(2, 2, 64, 64, torch.float32, None, 0.0, False, id="mha-full"),
     pytest.param(3, 1, 16, 16, torch.float32, 70, 0.0, True, id="gqa3-window-past-a-block"),
 ])
-@pytest.mark.parametrize("chunk,piece", [(None, None), (64, None), (256, 128)])
-def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, chunk, piece,
-                                             device, seed):
-    """`chunk` 64: keys reduced in chunks of 64 positions (decode: split over programs and merged),
-    contexts of up to 4 chunks; None: the engine's (one chunk here); 256 in pieces of 128 (two key
-    blocks each). Decode rows run with programs per chunk and per piece: the same bits."""
+@pytest.mark.parametrize("chunk", [None, 64, 128])
+def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, chunk, device, seed):
+    """`chunk` 64: keys reduced in chunks of 64 positions, one key block (decode: split over programs
+    and merged), contexts of up to 4 chunks; 128: two blocks a chunk; None: the engine's (one chunk
+    here). Decode rows run with programs per chunk and per key block: the same bits."""
     g = torch.Generator().manual_seed(seed)
     # (prefix, new): decode rows (new = 1) and extend rows, positions W-1, W, W+1, 2W+3 and past 64.
     reqs = [(0, 21), (5, 7), (7, 1), (8, 1), (19, 1), (60, 20), (100, 1), (190, 1), (120, 70)]
@@ -119,14 +118,14 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
     swa_from = [max(0, p - window + 1) for p, _ in reqs] if window else None
     pools = make_pools(lens, Hkv, Dk, Dv, dtype, g, device, swa_from=swa_from)
     sinks = torch.randn(H, generator=g).to(device) if use_sinks else None
-    q, out = _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap, sinks, chunk, piece=piece)
+    q, out = _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap, sinks, chunk)
     which = [b for b, (_, n) in enumerate(reqs) if n == 1]  # the decode rows alone: split and merged
     dec = [reqs[b] for b in which]
     q_dec, out_dec = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
-                             device, softcap, sinks, chunk, which, piece, per_piece=False)
-    _, out_pieces = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
-                            device, softcap, sinks, chunk, which, piece, per_piece=True)
-    assert torch.equal(out_pieces, out_dec)
+                             device, softcap, sinks, chunk, which, per_block=False)
+    _, out_blocks = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
+                            device, softcap, sinks, chunk, which, per_block=True)
+    assert torch.equal(out_blocks, out_dec)
     for i, b in enumerate(which):
         p = reqs[b][0]
         pos = torch.arange(p + 1)
@@ -176,24 +175,24 @@ def test_unified_attention_reads_new_tokens_in_swa_space(device, seed):
     assert not torch.allclose(bad, out)
 
 
-@pytest.mark.parametrize("chunk,piece", [(64, None), (128, 64), (256, 128)])
+@pytest.mark.parametrize("chunk", [64, 256])
 @pytest.mark.parametrize("window", [40, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window, chunk, piece, device, seed):
+def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window, chunk, device, seed):
     """One request's 150 queries computed as one extend, as chunks at other boundaries (the earlier
-    chunks' K/V cached), as decode rows (keys split over programs by chunk or by piece, then
-    merged), and next to other requests: bitwise the same rows. Chunks of 64 keys (one key block),
-    128 in pieces of one block, 256 in pieces of two."""
+    chunks' K/V cached), as decode rows (keys split over programs by chunk or by key block, then
+    merged), and next to other requests: bitwise the same rows. Reduction chunks of 64 keys (one
+    key block) and 256 (four)."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D, N = 4, 1, 32, 150
     lens = [N, 50, 9]
     pools = make_pools(lens, Hkv, D, D, dtype, g, device, finite_dummy=True)
     q_all = torch.randn(N, H, D, generator=g).to(dtype).to(device)
 
-    def run(reqs_order: list[tuple[int, int, int]], per_piece: bool | None = None
+    def run(reqs_order: list[tuple[int, int, int]], per_block: bool | None = None
             ) -> dict[int, torch.Tensor]:
-        """reqs_order: (request, prefix, new); returns request 0's rows by position (`per_piece`: decode
-        programs by piece, not chunk)."""
+        """reqs_order: (request, prefix, new); returns request 0's rows by position (`per_block`: decode
+        programs by key block, not chunk)."""
         qs, q_other = [], torch.randn(sum(n for _, _, n in reqs_order), H, D, generator=g).to(dtype).to(device)
         off = 0
         for r, p, n in reqs_order:
@@ -206,7 +205,7 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
         out = torch.empty_like(q)
         unified_attention(q, out, pools.k_full, pools.v_full, pools.req_to_token, rows, seq, qo, 0.125,
                           max_extend_len=max(n for _, _, n in reqs_order), window=window, chunk=chunk,
-                          piece=piece, per_piece=per_piece)
+                          per_block=per_block)
         res, off = {}, 0
         for r, p, n in reqs_order:
             if r == 0:
@@ -218,8 +217,8 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
     variants = [
         run([(0, 0, 33), (1, 20, 30)]) | run([(2, 3, 6), (0, 33, N - 33)]),  # two chunks, other traffic
         run([(0, 0, 64)]) | run([(1, 0, 1), (0, 64, N - 64)]),  # a prefill edge on a key-chunk edge
-        {**run([(0, 0, 120)]),  # then decode, programs by piece and by chunk in turn
-         **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)], per_piece=p % 2 == 0)[p] for p in range(120, N)}},
+        {**run([(0, 0, 120)]),  # then decode, programs by key block and by chunk in turn
+         **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)], per_block=p % 2 == 0)[p] for p in range(120, N)}},
     ]
     for v in variants:
         assert sorted(v) == list(range(N))
