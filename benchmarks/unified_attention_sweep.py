@@ -5,6 +5,7 @@ batch size and layer kind (full: 1024 keys; sliding: window 512 through `full_to
 achieved K/V bandwidth (bytes of keys and values read once ÷ time).
 
     python benchmarks/unified_attention_sweep.py [--shapes 1b,4b,12b] [--batch-sizes 1,8,32,64,256]
+    python benchmarks/unified_attention_sweep.py --extend   # prefill programs vs extend_attention
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us  # noqa: E402
 
-from swaserve.kernels import decode_attention, num_kv_splits_for  # noqa: E402
+from swaserve.kernels import decode_attention, extend_attention, num_kv_splits_for  # noqa: E402
 from swaserve.kernels.common import num_sms  # noqa: E402
-from swaserve.kernels.unified_attention import decode_config, unified_attention  # noqa: E402
+from swaserve.kernels.unified_attention import BLOCK_M, decode_config, unified_attention, unified_config  # noqa: E402
 
 SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256)}  # heads, kv heads, head dim
 SETTINGS = [(16, 4, 2), (16, 4, 3), (16, 8, 2), (64, 4, 2)]
 REPS = 4  # calls per captured graph, each over its own keys so the data does not sit in L2
 MAX_CONTEXT, CTX, WINDOW = 4096, 1024, 512
+EXTEND_SETTINGS = [(64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 3)]
+PREFILL_REQS, PREFILL_LEN = 4, 2048
 
 
 def case(shape: str, bs: int, window: int | None) -> dict:
@@ -52,7 +55,7 @@ def case(shape: str, bs: int, window: int | None) -> dict:
     def unified(launch, per_block=None):
         return graph_us(lambda i: unified_attention(q, out, k_buf, v_buf, tables[i], rows, seq, qo, D**-0.5,
                                                     max_extend_len=1, window=window, full_to_swa=f2s,
-                                                    decode_launch=launch, per_block=per_block), REPS)
+                                                    launch=launch, per_block=per_block), REPS)
 
     # The default mode's kernel, on the same keys as lists (its SWA layers read SWA slots directly).
     lists = perm[:, :, CTX - keys:].reshape(REPS, -1)
@@ -78,13 +81,59 @@ def case(shape: str, bs: int, window: int | None) -> dict:
                 programs=programs, settings=timed)
 
 
+def extend_case(shape: str, window: int | None) -> dict:
+    """A prefill of PREFILL_REQS requests x PREFILL_LEN new tokens (no prefix): `unified_attention`'s
+    extend programs over EXTEND_SETTINGS against the default mode's `extend_attention`."""
+    H, HKV, D = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    R, N = PREFILL_REQS, PREFILL_LEN
+    T = R * N
+    k_buf = torch.randn(T + 1, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
+    v_buf = torch.randn(T + 1, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(T, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
+    perm = (torch.randperm(T, device="cuda", generator=g) + 1).to(torch.int32).view(R, N)
+    table = torch.zeros(R + 1, MAX_CONTEXT, dtype=torch.int32, device="cuda")
+    table[1:, :N] = perm
+    rows = torch.arange(1, R + 1, device="cuda")
+    seq = torch.full((R,), N, dtype=torch.int32, device="cuda")
+    qo = torch.arange(0, T + 1, N, dtype=torch.int32, device="cuda")
+    f2s = torch.arange(T + 1, dtype=torch.int32, device="cuda") if window else None
+    flat = perm.flatten().long()
+    k_new, v_new = k_buf[flat].contiguous(), v_buf[flat].contiguous()
+    zeros = torch.zeros(R + 1, dtype=torch.int32, device="cuda")
+    default = graph_us(lambda i: extend_attention(q, k_new, v_new, out, k_buf, v_buf, qo, zeros, zeros[:1],
+                                                  zeros[:R], D**-0.5, max_extend_len=N, window=window), 1)
+    timed = {}
+    for s in EXTEND_SETTINGS:
+        try:
+            us = graph_us(lambda i: unified_attention(q, out, k_buf, v_buf, table, rows, seq, qo, D**-0.5,
+                                                      max_extend_len=N, window=window, full_to_swa=f2s,
+                                                      launch=s), 1)
+            timed["x".join(map(str, s))] = round(us, 1)
+        except Exception as e:  # out of shared memory or registers: not a candidate
+            timed["x".join(map(str, s))] = type(e).__name__
+    _, warps, stages = unified_config(D, 2)
+    rule = f"{BLOCK_M}x{warps}x{stages}"
+    best = min((k for k, v in timed.items() if isinstance(v, float)), key=timed.get)
+    return dict(shape=shape, layer="sliding" if window else "full", prefill=f"{R}x{N}",
+                default_us=round(default, 1), rule=rule, rule_us=timed.get(rule), best=best,
+                best_us=timed[best], settings=timed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="1b,4b,12b")
     ap.add_argument("--batch-sizes", default="1,8,32,64,256")
+    ap.add_argument("--extend", action="store_true", help="time extend (prefill) programs instead")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, context {CTX}, "
           f"max_context {MAX_CONTEXT}")
+    if args.extend:
+        for shape in args.shapes.split(","):
+            for window in (None, WINDOW):
+                print(json.dumps(extend_case(shape, window)), flush=True)
+        return
     rows = []
     for shape in args.shapes.split(","):
         for bs in map(int, args.batch_sizes.split(",")):

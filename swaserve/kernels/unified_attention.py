@@ -140,7 +140,7 @@ def unified_attention(
     sinks: torch.Tensor | None = None,  # [H] float
     chunk: int | None = None,  # keys per reduction chunk (default `key_chunk(max_context)`; tests)
     per_block: bool | None = None,  # decode programs per key block, not per chunk (default: by batch; tests)
-    decode_launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a decode program (sweeps)
+    launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a program (sweeps)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
@@ -180,10 +180,13 @@ def unified_attention(
         np_ = nc * (chunk // block_n if per_block else 1)
         part_acc = torch.empty(T, H, np_, DV, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, H, np_, 2, dtype=torch.float32, device=q.device)
-    block_m = BLOCK_M
-    if split:
-        block_m, warps, stages = decode_launch or decode_config(group_p, window is not None)
-    grid = (bs, HKV, np_ if split else triton.cdiv(max_extend_len, BLOCK_M // group_p))
+    if launch is not None:
+        block_m, warps, stages = launch
+    elif split:
+        block_m, warps, stages = decode_config(group_p, window is not None)
+    else:
+        block_m = BLOCK_M
+    grid = (bs, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if per_block else chunk, NP=np_, H=H, HAS_WINDOW=window is not None,
                  HAS_SINKS=sinks is not None)
