@@ -106,7 +106,8 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     pytest.param(3, 1, 16, 16, torch.float32, 70, 0.0, True, id="gqa3-window-past-a-block"),
 ])
 @pytest.mark.parametrize("chunk", [None, 64, 128])
-def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, chunk, device, seed):
+def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, softcap, use_sinks, chunk, device,
+                                             seed):
     """`chunk` 64: keys reduced in chunks of 64 positions, one key block (decode: split over programs
     and merged), contexts of up to 4 chunks; 128: two blocks a chunk; None: the engine's (one chunk
     here). Decode rows run with programs per chunk and per key block: the same bits."""
@@ -251,3 +252,27 @@ def test_unified_decode_padded_rows_read_slot_0_and_leave_live_rows_alone(window
     padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1], torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]))
     assert torch.equal(padded[[0, 1, 3, 4]], live)
     assert torch.isfinite(padded[[2, 5]]).all()
+
+
+@pytest.mark.parametrize("window", [100, None])
+def test_unified_gemma_heads_decode_match_extend(window, device, seed):
+    """Gemma 3's head (d256, 4 query heads a kv head, bf16), whose extend programs take their own
+    launch (8 warps, 3 stages): a prompt's last queries prefilled in one extend give the bits that
+    decode steps give them, with programs per key block and per chunk."""
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv, D, N, last = 4, 1, 256, 200, 6
+    pools = make_pools([N], Hkv, D, D, torch.bfloat16, g, device, finite_dummy=True)
+    q = torch.randn(N, H, D, generator=g).bfloat16().to(device)
+    out = torch.empty_like(q)
+    qo = torch.tensor([0, N], dtype=torch.int32, device=device)
+    unified_attention(q, out, pools.k_full, pools.v_full, pools.req_to_token, pools.rows[:1],
+                      torch.tensor([N], dtype=torch.int32, device=device), qo, 0.0625, max_extend_len=N,
+                      window=window, chunk=128)
+    qo1 = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    for p in range(N - last, N):
+        for per_block in (True, False):
+            dec = torch.empty_like(q[:1])
+            unified_attention(q[p: p + 1], dec, pools.k_full, pools.v_full, pools.req_to_token,
+                              pools.rows[:1], torch.tensor([p + 1], dtype=torch.int32, device=device), qo1, 0.0625,
+                              max_extend_len=1, window=window, chunk=128, per_block=per_block)
+            assert torch.equal(dec[0], out[p]), (p, per_block)
