@@ -273,6 +273,7 @@ def test_unified_gemma_heads_decode_match_extend(window, device, seed):
         for per_block in (True, False):
             dec = torch.empty_like(q[:1])
             seq = torch.tensor([p + 1], dtype=torch.int32, device=device)
-            unified_attention(q[p: p + 1], dec, pools.k_full, pools.v_full, pools.req_to_token, pools.rows[:1],
-                              seq, qo1, 0.0625, max_extend_len=1, window=window, chunk=128, per_block=per_block)
+            unified_attention(q[p: p + 1], dec, pools.k_full, pools.v_full, pools.req_to_token,
+                              pools.rows[:1], seq, qo1, 0.0625, max_extend_len=1, window=window, chunk=128,
+                              per_block=per_block)
             assert torch.equal(dec[0], out[p]), (p, per_block)
