@@ -2,20 +2,19 @@
 keys, cached prefix and this step's new tokens the same way, through the request table (and
 `full_to_swa` for layers in the SWA pool), in key blocks aligned to absolute positions.
 
-Why it is invariant: a query's keys are cut into chunks of `key_chunk(max_context)` positions,
-aligned to absolute positions (a constant of the engine, never of the batch). Each chunk's partial
-softmax state is reduced from zero over the same aligned blocks in the same order, and the partials
-are folded in chunk order (`_fold`). Decode steps compute the chunks in parallel programs and fold
-them in a second kernel; extend steps fold them in one program, in registers: the same operations
-on the same key blocks, so a query gets the same bits decoded or prefilled, whatever else is in the
-batch and wherever the chunk boundaries of its prefill fall. A decode tile holds one token's query
-heads (16 rows), an extend tile 64: every reduction along a row is therefore one that does not
-depend on the tile's height or thread layout: the max (exact), and dot products on the MMA (q.k,
-p.v, and the softmax's row sum as p times ones, `_row_sum`), whose rounding does not depend on the
-instruction's M (measured per GPU with the GEMM, `bi_matmul`). Blocks and chunks a query cannot see
-(the tile's other queries may) are exact no-ops (p = 0 and a rescale by exp2(0) = 1, or an empty
-state that stays empty). Tiles and launch settings depend only on the head dim, GQA group, dtype and
-layer kind.
+Why it is invariant: a query's keys are reduced in one order fixed by absolute positions and the
+engine's `max_context` (`unified_reduce`): each key block's softmax state from zero, blocks folded
+into chunks of `key_chunk(max_context)` keys, chunks folded in order (`_fold`). A decode step
+computes chunks (or, for a few requests, single key blocks) in parallel programs and folds them in
+`_merge_kernel`; an extend program folds them in registers: the same operations on the same key
+blocks, so a query gets the same bits decoded or prefilled, whatever else is in the batch and
+wherever the chunk boundaries of its prefill fall. A decode tile holds one token's query heads (16
+rows), an extend tile 64: every reduction along a row is therefore one that does not depend on the
+tile's height or thread layout: the max (exact), and dot products on the MMA (q.k, p.v, and the
+softmax's row sum as p times ones, `_row_sum`), whose rounding does not depend on the instruction's
+M (measured per GPU with the GEMM, `bi_matmul`). Blocks and chunks a query cannot see (the tile's
+other queries may) are exact no-ops (an empty state stays empty and leaves a fold unchanged).
+Tiles and launch settings depend only on the head dim, GQA group, dtype, layer kind and batch size.
 """
 
 from __future__ import annotations
