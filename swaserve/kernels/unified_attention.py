@@ -31,7 +31,6 @@ __all__ = ["key_chunk", "unified_attention"]
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
 DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
 MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at most this many partials
-REQUEST_PROGRAMS_PER_SM = 1  # decode programs per (request, kv head) from this many pairs per SM
 @jit_per_batch("stride_qt", "stride_ot")
 def _unified_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, sinks,
@@ -129,18 +128,6 @@ def decode_config(group_p: int, sliding: bool) -> tuple[int, int, int]:
     return max(DECODE_BLOCK_M, group_p), 4, 3 if sliding else 2
 
 
-def decode_rule(programs: int, chunks: int, blocks_per_chunk: int, sms: int) -> str:
-    """How a decode step of `programs` (request, kv head) pairs splits its keys (layer and batch
-    constants, never the requests' lengths): one program each where they alone fill the GPU (a long
-    stream, no merge), else one per chunk of a context that can span `chunks`, else (a few requests)
-    one per key block, as long as a query's partials stay few."""
-    if programs >= sms * REQUEST_PROGRAMS_PER_SM:
-        return "request"
-    if programs * chunks < sms and chunks * blocks_per_chunk <= MAX_BLOCK_PARTIALS:
-        return "block"
-    return "chunk"
-
-
 def unified_attention(
     q: torch.Tensor,  # [T, H, Dk]: this step's queries, request after request
     out: torch.Tensor,  # [T, H, Dv], written
@@ -158,16 +145,15 @@ def unified_attention(
     logit_softcap: float = 0.0,
     sinks: torch.Tensor | None = None,  # [H] float
     chunk: int | None = None,  # keys per reduction chunk (default `key_chunk(max_context)`; tests)
-    decode_programs: str | None = None,  # "block", "chunk" or "request" (default: by batch; tests, sweeps)
+    per_block: bool | None = None,  # decode programs per key block, not per chunk (default: by batch; tests)
     launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a program (sweeps)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
-    (row 0, seq_len 1) read slot 0 and give finite values. A decode batch (`max_extend_len` 1) runs
-    one program per request and kv head where those fill the GPU, else splits its keys over programs
-    by chunk, or by key block where chunk programs would leave most of it idle (a few requests), and
-    merges them: the same bits every way. Every launch setting depends on static shapes only, so it
-    can be captured. No host sync. Returns `out`."""
+    (row 0, seq_len 1) read slot 0 and give finite values. A decode batch (`max_extend_len` 1) splits
+    its keys over programs by chunk, or by key block where chunk programs would leave most of the GPU
+    idle (a few requests): the same bits either way. Every launch setting depends on static shapes only, so
+    it can be captured. No host sync. Returns `out`."""
     T, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
     bs = req_pool_indices.numel()
@@ -187,24 +173,22 @@ def unified_attention(
     chunk = chunk or key_chunk(max_context)
     assert chunk % block_n == 0, f"chunk {chunk} is not a multiple of the key block {block_n}"
     upcast, prec = dot_flags(q.dtype)
-    decode = max_extend_len == 1
-    if decode:
+    split = max_extend_len == 1
+    np_ = 1
+    part_acc = part_ml = out  # unused unless split
+    if split:
         assert T == bs, "a decode batch has one query per request"
         nc = triton.cdiv(max_context, chunk)
         if window is not None:
             nc = min(nc, (window - 1) // chunk + 2)  # chunks a window can overlap
-        decode_programs = decode_programs or decode_rule(bs * HKV, nc, chunk // block_n, num_sms(q.device))
-    split = decode and decode_programs != "request"
-    per_block = decode_programs == "block"
-    np_ = 1
-    part_acc = part_ml = out  # unused unless split
-    if split:
+        if per_block is None:  # chunk programs would leave most SMs idle; partials stay few
+            per_block = bs * HKV * nc < num_sms(q.device) and nc * chunk // block_n <= MAX_BLOCK_PARTIALS
         np_ = nc * (chunk // block_n if per_block else 1)
         part_acc = torch.empty(T, H, np_, DV, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, H, np_, 2, dtype=torch.float32, device=q.device)
     if launch is not None:
         block_m, warps, stages = launch
-    elif decode:
+    elif split:
         block_m, warps, stages = decode_config(group_p, window is not None)
     else:
         block_m = BLOCK_M

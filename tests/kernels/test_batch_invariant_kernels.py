@@ -80,7 +80,7 @@ def test_fused_greedy_head_matches_bi_linear_logits(device, seed):
 # ---- unified_attention -----------------------------------------------------------------------------
 
 def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None, chunk=None, which=None,
-            programs=None):
+            per_block=None):
     """reqs: (prefix, new) per request (`which`: their indices among the pools' requests, default
     0..); runs the kernel with every K/V already in the pools."""
     swa = window is not None
@@ -95,7 +95,7 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125,
                       max_extend_len=max(n for _, n in reqs), window=window,
                       full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks,
-                      chunk=chunk, decode_programs=programs)
+                      chunk=chunk, per_block=per_block)
     return q, out
 
 
@@ -110,7 +110,7 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
                                              seed):
     """`chunk` 64: keys reduced in chunks of 64 positions, one key block (decode: split over programs
     and merged), contexts of up to 4 chunks; 128: two blocks a chunk; None: the engine's (one chunk
-    here). Decode rows run with programs per chunk, per key block and per request: the same bits."""
+    here). Decode rows run with programs per chunk and per key block: the same bits."""
     g = torch.Generator().manual_seed(seed)
     # (prefix, new): decode rows (new = 1) and extend rows, positions W-1, W, W+1, 2W+3 and past 64.
     reqs = [(0, 21), (5, 7), (7, 1), (8, 1), (19, 1), (60, 20), (100, 1), (190, 1), (120, 70)]
@@ -123,11 +123,10 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
     which = [b for b, (_, n) in enumerate(reqs) if n == 1]  # the decode rows alone: split and merged
     dec = [reqs[b] for b in which]
     q_dec, out_dec = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
-                             device, softcap, sinks, chunk, which, programs="chunk")
-    for programs in ("block", "request"):
-        _, other = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
-                           device, softcap, sinks, chunk, which, programs=programs)
-        assert torch.equal(other, out_dec), programs
+                             device, softcap, sinks, chunk, which, per_block=False)
+    _, out_blocks = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
+                            device, softcap, sinks, chunk, which, per_block=True)
+    assert torch.equal(out_blocks, out_dec)
     for i, b in enumerate(which):
         p = reqs[b][0]
         pos = torch.arange(p + 1)
@@ -183,17 +182,18 @@ def test_unified_attention_reads_new_tokens_in_swa_space(device, seed):
 def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window, chunk, device, seed):
     """One request's 150 queries computed as one extend, as chunks at other boundaries (the earlier
     chunks' K/V cached), as decode rows (keys split over programs by chunk or by key block, then
-    merged, or one program per request), and next to other requests: bitwise the same rows.
-    Reduction chunks of 64 keys (one key block) and 256 (four)."""
+    merged), and next to other requests: bitwise the same rows. Reduction chunks of 64 keys (one
+    key block) and 256 (four)."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D, N = 4, 1, 32, 150
     lens = [N, 50, 9]
     pools = make_pools(lens, Hkv, D, D, dtype, g, device, finite_dummy=True)
     q_all = torch.randn(N, H, D, generator=g).to(dtype).to(device)
 
-    def run(reqs_order: list[tuple[int, int, int]], programs: str | None = None) -> dict[int, torch.Tensor]:
-        """reqs_order: (request, prefix, new); returns request 0's rows by position (`programs`: how a
-        decode step splits its keys)."""
+    def run(reqs_order: list[tuple[int, int, int]], per_block: bool | None = None
+            ) -> dict[int, torch.Tensor]:
+        """reqs_order: (request, prefix, new); returns request 0's rows by position (`per_block`: decode
+        programs by key block, not chunk)."""
         qs, q_other = [], torch.randn(sum(n for _, _, n in reqs_order), H, D, generator=g).to(dtype).to(device)
         off = 0
         for r, p, n in reqs_order:
@@ -206,7 +206,7 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
         out = torch.empty_like(q)
         unified_attention(q, out, pools.k_full, pools.v_full, pools.req_to_token, rows, seq, qo, 0.125,
                           max_extend_len=max(n for _, _, n in reqs_order), window=window, chunk=chunk,
-                          decode_programs=programs)
+                          per_block=per_block)
         res, off = {}, 0
         for r, p, n in reqs_order:
             if r == 0:
@@ -218,9 +218,8 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
     variants = [
         run([(0, 0, 33), (1, 20, 30)]) | run([(2, 3, 6), (0, 33, N - 33)]),  # two chunks, other traffic
         run([(0, 0, 64)]) | run([(1, 0, 1), (0, 64, N - 64)]),  # a prefill edge on a key-chunk edge
-        {**run([(0, 0, 120)]),  # then decode, programs by key block, chunk and request in turn
-         **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)], ("block", "chunk", "request")[p % 3])[p]
-            for p in range(120, N)}},
+        {**run([(0, 0, 120)]),  # then decode, programs by key block and by chunk in turn
+         **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)], per_block=p % 2 == 0)[p] for p in range(120, N)}},
     ]
     for v in variants:
         assert sorted(v) == list(range(N))
@@ -230,39 +229,36 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
 
 @pytest.mark.parametrize("window", [40, None])
 def test_unified_decode_padded_rows_read_slot_0_and_leave_live_rows_alone(window, device, seed):
-    """DESIGN.md §4 for every decode launch: padded rows of a graph batch (table row 0, seq_len 1)
+    """DESIGN.md §4 for the split decode path: padded rows of a graph batch (table row 0, seq_len 1)
     read reserved slot 0 and give finite values, and the live rows beside them (contexts of several
-    128-key chunks, split over programs by chunk or block and merged, or one program per request)
-    keep the bits they have without padding."""
+    64-key chunks, split over programs and merged) keep the bits they have without padding."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = 4, 1, 32
     lens = [150, 64, 1, 97]
     pools = make_pools(lens, Hkv, D, D, torch.float32, g, device, finite_dummy=True)
     q = torch.randn(len(lens) + 2, H, D, generator=g).to(device)
 
-    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor, programs: str) -> torch.Tensor:
+    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(q_rows, float("nan"))
         qo = torch.arange(len(seq) + 1, dtype=torch.int32, device=device)
         unified_attention(q_rows, out, pools.k_full, pools.v_full, pools.req_to_token, rows,
                           torch.tensor(seq, dtype=torch.int32, device=device), qo, 0.125, max_extend_len=1,
-                          window=window, chunk=128, decode_programs=programs)
+                          window=window, chunk=64)
         return out
 
+    live = decode(pools.rows[: len(lens)], lens, q[: len(lens)])
     pad_row = torch.zeros(1, dtype=pools.rows.dtype, device=device)
     rows = torch.cat([pools.rows[:2], pad_row, pools.rows[2:4], pad_row])
-    live = decode(pools.rows[: len(lens)], lens, q[: len(lens)], "chunk")
-    for programs in ("chunk", "block", "request"):
-        padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1],
-                        torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]), programs)
-        assert torch.equal(padded[[0, 1, 3, 4]], live), programs
-        assert torch.isfinite(padded[[2, 5]]).all(), programs
+    padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1], torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]))
+    assert torch.equal(padded[[0, 1, 3, 4]], live)
+    assert torch.isfinite(padded[[2, 5]]).all()
 
 
 @pytest.mark.parametrize("window", [100, None])
 def test_unified_gemma_heads_decode_match_extend(window, device, seed):
     """Gemma 3's head (d256, 4 query heads a kv head, bf16), whose extend programs take their own
     launch (8 warps, 3 stages): a prompt's last queries prefilled in one extend give the bits that
-    decode steps give them, with programs per key block, per chunk and per request."""
+    decode steps give them, with programs per key block and per chunk."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D, N, last = 4, 1, 256, 200, 6
     pools = make_pools([N], Hkv, D, D, torch.bfloat16, g, device, finite_dummy=True)
@@ -274,10 +270,10 @@ def test_unified_gemma_heads_decode_match_extend(window, device, seed):
                       window=window, chunk=128)
     qo1 = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for p in range(N - last, N):
-        for programs in ("block", "chunk", "request"):
+        for per_block in (True, False):
             dec = torch.empty_like(q[:1])
             seq = torch.tensor([p + 1], dtype=torch.int32, device=device)
             unified_attention(q[p: p + 1], dec, pools.k_full, pools.v_full, pools.req_to_token,
                               pools.rows[:1], seq, qo1, 0.0625, max_extend_len=1, window=window, chunk=128,
-                              decode_programs=programs)
-            assert torch.equal(dec[0], out[p]), (p, programs)
+                              per_block=per_block)
+            assert torch.equal(dec[0], out[p]), (p, per_block)
