@@ -93,12 +93,6 @@ class TritonAttnBackend(AttentionBackend):
             # Room for 16 (kv head x head block) programs per request; wider layers use stage 2.
             self._split_counters = torch.zeros((req_to_token.max_reqs + 1) * 16, dtype=torch.int32,
                                                device=self.device)
-        # Deterministic decode: each request's partials folded by its last program (same bits as the
-        # merge kernel; counters return to 0 after every launch). Room for 16 kv heads a request.
-        self._fold_counters = None
-        if deterministic:
-            self._fold_counters = torch.zeros((req_to_token.max_reqs + 1) * 16, dtype=torch.int32,
-                                              device=self.device)
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -219,14 +213,11 @@ class TritonAttnBackend(AttentionBackend):
             store_kv(k_buf, v_buf, locs, k, v)
         if self.deterministic:
             out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
-            counters = self._fold_counters
-            if counters is not None and batch.batch_size * spec.num_kv_heads > counters.numel():
-                counters = None
             return unified_attention(
                 q, out, k_buf, v_buf, self.req_to_token.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 meta.qo_indptr, spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
                 full_to_swa=self.full_to_swa if in_swa else None, logit_softcap=spec.logit_softcap or 0.0,
-                sinks=sinks, counters=counters)
+                sinks=sinks)
         if (k is None or v is None) and not batch.is_decode:
             # The extend kernel reads new tokens' K/V from tensors: gather them back from the pool
             # (KV-shared layers, and layers whose stored V is not a slice of their projection).

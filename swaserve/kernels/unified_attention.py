@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _finish, dot_flags, interpret_mode, jit_per_batch, num_sms
-from swaserve.kernels.unified_reduce import _fold, _fold_partials, _keys, _merge_kernel, key_chunk
+from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk
 
 __all__ = ["key_chunk", "unified_attention"]
 
@@ -34,19 +34,18 @@ MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at 
 @jit_per_batch("stride_qt", "stride_ot")
 def _unified_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, sinks,
-    part_acc, part_ml, counters, qk_scale, softcap, window,
+    part_acc, part_ml, qk_scale, softcap, window,
     stride_r2t, stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
-    FUSED_FOLD: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     ROWWISE: tl.constexpr,
 ):
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
-    ([T, H, NP, DV] / [T, H, NP, 2] float32) for `_merge_kernel`, or (`FUSED_FOLD`) the last of a
-    (request, kv head)'s programs to finish folds them itself. Otherwise program (b, kvh, tile)
+    ([T, H, NP, DV] / [T, H, NP, 2] float32) for `_merge_kernel`. Otherwise program (b, kvh, tile)
     folds every chunk of its tile and writes `out`."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -91,20 +90,6 @@ def _unified_kernel(
                  mask=rmask[:, None] & (dv[None, :] < DV))
         tl.store(part_ml + part * 2, m, mask=rmask)
         tl.store(part_ml + part * 2 + 1, l, mask=rmask)
-        if FUSED_FOLD:
-            # The last program of this (request, kv head) to finish folds every partial: its
-            # release (after the barrier) publishes this program's stores, the last one's acquire
-            # makes all of them visible; it resets the counter for the next launch.
-            tl.debug_barrier()
-            cnt = counters + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == hi // UNIT - lo // UNIT:
-                tl.store(cnt, 0)
-                cmask = rmask[:, None] & (dv[None, :] < DV)
-                M, L, ACC = _fold_partials(part_acc, part_ml, (q_lo + t) * H + heads, lo, hi, dv, rmask,
-                                           cmask, DV, BLOCK_M, BLOCK_DV, CHUNK, UNIT, NP)
-                o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
-                tl.store(out + (q_lo + t)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
-                         o.to(out.dtype.element_ty), mask=cmask)
     else:
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
@@ -161,16 +146,14 @@ def unified_attention(
     sinks: torch.Tensor | None = None,  # [H] float
     chunk: int | None = None,  # keys per reduction chunk (default `key_chunk(max_context)`; tests)
     per_block: bool | None = None,  # decode programs per key block, not per chunk (default: by batch; tests)
-    counters: torch.Tensor | None = None,  # int32 zeros, >= bs * Hkv: decode folds in its last program
     launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a program (sweeps)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
     (row 0, seq_len 1) read slot 0 and give finite values. A decode batch (`max_extend_len` 1) splits
     its keys over programs by chunk, or by key block where chunk programs would leave most of the GPU
-    idle (a few requests): the same bits either way. With `counters` (all zero, left all zero) the
-    last program of each request and kv head folds the partials, else a second kernel does. Every
-    launch setting depends on static shapes only, so it can be captured. No host sync. Returns `out`."""
+    idle (a few requests): the same bits either way. Every launch setting depends on static shapes only, so
+    it can be captured. No host sync. Returns `out`."""
     T, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
     bs = req_pool_indices.numel()
@@ -213,23 +196,18 @@ def unified_attention(
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if per_block else chunk, NP=np_, H=H, HAS_WINDOW=window is not None,
                  HAS_SINKS=sinks is not None)
-    fused = split and counters is not None
-    if fused:
-        assert counters.dtype == torch.int32 and counters.numel() >= bs * HKV, "counters: int32, >= bs * Hkv"
     sinks_arg, window_arg = sinks if sinks is not None else q, window if window is not None else 0
     _unified_kernel[grid](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr,
         full_to_swa if full_to_swa is not None else seq_lens, sinks_arg, part_acc, part_ml,
-        counters if fused else seq_lens,
         scaling, logit_softcap if logit_softcap else 1.0, window_arg,
         req_to_token.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split, FUSED_FOLD=fused,
-        HAS_MAP=full_to_swa is not None,
+        DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split, HAS_MAP=full_to_swa is not None,
         HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), **const,
         num_warps=warps, num_stages=stages,
     )
-    if split and not fused:
+    if split:
         # Per-block partials are many for a few requests: their fold is split over value columns.
         mdv = max(16, bdv // 4) if per_block else bdv
         _merge_kernel[(bs, HKV, bdv // mdv)](out, part_acc, part_ml, seq_lens, sinks_arg, window_arg,

@@ -88,49 +88,16 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, first, last, lo, hi
 
 
 @triton.jit
-def _fold_partials(part_acc, part_ml, row, lo, q_pos, dv, rmask, cmask, DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, UNIT: tl.constexpr,
-                   NP: tl.constexpr):
-    """A decode query's partials (one per UNIT keys: a chunk, or a key block; `row` [BLOCK_M] its
-    rows' partial rows) folded in the order an extend program folds them: blocks into their chunk,
-    chunks into the result, in one flat loop (its loads pipelined). Loads bypass L1 (.cg): other
-    SMs wrote the partials, and L1 is not coherent across SMs."""
-    NSUB: tl.constexpr = CHUNK // UNIT  # partials per chunk
-    base = lo // CHUNK * NSUB  # the first partial's unit
-    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    L = tl.zeros([BLOCK_M], tl.float32)
-    ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    CM = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    CL = tl.zeros([BLOCK_M], tl.float32)
-    CACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for u in range(lo // UNIT, q_pos // UNIT + 1):
-        part = row * NP + (u - base)
-        acc = tl.load(part_acc + part[:, None] * DV + dv[None, :], mask=cmask, other=0.0,
-                      cache_modifier=".cg")
-        m = tl.load(part_ml + part * 2, mask=rmask, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(part_ml + part * 2 + 1, mask=rmask, other=0.0, cache_modifier=".cg")
-        if NSUB == 1:
-            M, L, ACC = _fold(M, L, ACC, m, l, acc)
-        else:
-            CM, CL, CACC = _fold(CM, CL, CACC, m, l, acc)
-            if ((u + 1) % NSUB == 0) | (u == q_pos // UNIT):  # the chunk's last block: into the result
-                M, L, ACC = _fold(M, L, ACC, CM, CL, CACC)
-                CM = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                CL = tl.zeros([BLOCK_M], tl.float32)
-                CACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    return M, L, ACC
-
-
-@triton.jit
 def _merge_kernel(
     out, part_acc, part_ml, seq_lens, sinks, window, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Decode without split counters: request b's partials folded (`_fold_partials`) on the decode
-    tile's rows; program (b, kvh, d) takes BLOCK_DV of the value columns (the fold is elementwise
-    in them)."""
+    """Decode: request b's partials (one per UNIT keys: a chunk, or a key block) folded in the order
+    an extend program folds them (blocks into their chunk, chunks into the result), on the decode
+    tile's rows, in one flat loop (its loads pipelined); program (b, kvh, d) takes BLOCK_DV of the
+    value columns (the fold is elementwise in them)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     r = tl.arange(0, BLOCK_M)
@@ -144,8 +111,30 @@ def _merge_kernel(
     lo = tl.zeros([], tl.int64)
     if HAS_WINDOW:
         lo = tl.maximum(q_pos - window + 1, 0)
-    M, L, ACC = _fold_partials(part_acc, part_ml, (b + t.to(tl.int64)) * H + heads, lo, q_pos, dv, rmask,
-                               cmask, DV, BLOCK_M, BLOCK_DV, CHUNK, UNIT, NP)
+    NSUB: tl.constexpr = CHUNK // UNIT  # partials per chunk
+    u_lo = lo // UNIT
+    base = lo // CHUNK * NSUB  # the first partial's unit
+    row = (b + t.to(tl.int64)) * H + heads
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], tl.float32)
+    ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    CM = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    CL = tl.zeros([BLOCK_M], tl.float32)
+    CACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for u in range(u_lo, q_pos // UNIT + 1):
+        part = row * NP + (u - base)
+        acc = tl.load(part_acc + part[:, None] * DV + dv[None, :], mask=cmask, other=0.0)
+        m = tl.load(part_ml + part * 2, mask=rmask, other=float("-inf"))
+        l = tl.load(part_ml + part * 2 + 1, mask=rmask, other=0.0)
+        if NSUB == 1:
+            M, L, ACC = _fold(M, L, ACC, m, l, acc)
+        else:
+            CM, CL, CACC = _fold(CM, CL, CACC, m, l, acc)
+            if ((u + 1) % NSUB == 0) | (u == q_pos // UNIT):  # the chunk's last block: into the result
+                M, L, ACC = _fold(M, L, ACC, CM, CL, CACC)
+                CM = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                CL = tl.zeros([BLOCK_M], tl.float32)
+                CACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
     tl.store(out + (b + t.to(tl.int64))[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
              o.to(out.dtype.element_ty), mask=cmask)

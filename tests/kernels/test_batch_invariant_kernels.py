@@ -80,10 +80,9 @@ def test_fused_greedy_head_matches_bi_linear_logits(device, seed):
 # ---- unified_attention -----------------------------------------------------------------------------
 
 def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None, chunk=None, which=None,
-            per_block=None, fused=False):
+            per_block=None):
     """reqs: (prefix, new) per request (`which`: their indices among the pools' requests, default
-    0..); runs the kernel with every K/V already in the pools (`fused`: decode partials folded by
-    each request's last program, through split counters, which it must leave at zero)."""
+    0..); runs the kernel with every K/V already in the pools."""
     swa = window is not None
     k_buf, v_buf = (pools.k_swa, pools.v_swa) if swa else (pools.k_full, pools.v_full)
     Dk, Dv = k_buf.shape[2], v_buf.shape[2]
@@ -93,17 +92,11 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     qo = torch.tensor([0] + [n for _, n in reqs], device=device).cumsum(0).int()
     seq = torch.tensor([p + n for p, n in reqs], dtype=torch.int32, device=device)
     rows = pools.rows[: len(reqs)] if which is None else pools.rows[torch.tensor(which, device=pools.rows.device)]
-    counters = _counters(len(reqs) * Hkv, device) if fused else None
     unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125,
                       max_extend_len=max(n for _, n in reqs), window=window,
                       full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks,
-                      chunk=chunk, per_block=per_block, counters=counters)
-    assert counters is None or not counters.any(), "the folding program must leave its counter at 0"
+                      chunk=chunk, per_block=per_block)
     return q, out
-
-
-def _counters(n: int, device: str) -> torch.Tensor:
-    return torch.zeros(n + 5, dtype=torch.int32, device=device)
 
 
 @pytest.mark.parametrize("H,Hkv,Dk,Dv,dtype,window,softcap,use_sinks", [
@@ -131,10 +124,9 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
     dec = [reqs[b] for b in which]
     q_dec, out_dec = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
                              device, softcap, sinks, chunk, which, per_block=False)
-    for per_block, fused in ((True, False), (False, True), (True, True)):
-        _, other = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
-                           device, softcap, sinks, chunk, which, per_block=per_block, fused=fused)
-        assert torch.equal(other, out_dec), (per_block, fused)
+    _, out_blocks = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
+                            device, softcap, sinks, chunk, which, per_block=True)
+    assert torch.equal(out_blocks, out_dec)
     for i, b in enumerate(which):
         p = reqs[b][0]
         pos = torch.arange(p + 1)
@@ -198,10 +190,10 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
     pools = make_pools(lens, Hkv, D, D, dtype, g, device, finite_dummy=True)
     q_all = torch.randn(N, H, D, generator=g).to(dtype).to(device)
 
-    def run(reqs_order: list[tuple[int, int, int]], per_block: bool | None = None, fused: bool = False
+    def run(reqs_order: list[tuple[int, int, int]], per_block: bool | None = None
             ) -> dict[int, torch.Tensor]:
         """reqs_order: (request, prefix, new); returns request 0's rows by position (`per_block`: decode
-        programs by key block, not chunk; `fused`: folded by the last of them, not a second kernel)."""
+        programs by key block, not chunk)."""
         qs, q_other = [], torch.randn(sum(n for _, _, n in reqs_order), H, D, generator=g).to(dtype).to(device)
         off = 0
         for r, p, n in reqs_order:
@@ -214,7 +206,7 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
         out = torch.empty_like(q)
         unified_attention(q, out, pools.k_full, pools.v_full, pools.req_to_token, rows, seq, qo, 0.125,
                           max_extend_len=max(n for _, _, n in reqs_order), window=window, chunk=chunk,
-                          per_block=per_block, counters=_counters(len(reqs_order), device) if fused else None)
+                          per_block=per_block)
         res, off = {}, 0
         for r, p, n in reqs_order:
             if r == 0:
@@ -226,8 +218,8 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
     variants = [
         run([(0, 0, 33), (1, 20, 30)]) | run([(2, 3, 6), (0, 33, N - 33)]),  # two chunks, other traffic
         run([(0, 0, 64)]) | run([(1, 0, 1), (0, 64, N - 64)]),  # a prefill edge on a key-chunk edge
-        {**run([(0, 0, 120)]),  # then decode, programs by key block and by chunk, folded either way
-         **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)], p % 2 == 0, p % 4 < 2)[p] for p in range(120, N)}},
+        {**run([(0, 0, 120)]),  # then decode, programs by key block and by chunk in turn
+         **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)], per_block=p % 2 == 0)[p] for p in range(120, N)}},
     ]
     for v in variants:
         assert sorted(v) == list(range(N))
@@ -239,40 +231,34 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
 def test_unified_decode_padded_rows_read_slot_0_and_leave_live_rows_alone(window, device, seed):
     """DESIGN.md §4 for the split decode path: padded rows of a graph batch (table row 0, seq_len 1)
     read reserved slot 0 and give finite values, and the live rows beside them (contexts of several
-    128-key chunks, split over programs by chunk or key block, folded by a second kernel or by the
-    last program) keep the bits they have without padding."""
+    64-key chunks, split over programs and merged) keep the bits they have without padding."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = 4, 1, 32
     lens = [150, 64, 1, 97]
     pools = make_pools(lens, Hkv, D, D, torch.float32, g, device, finite_dummy=True)
     q = torch.randn(len(lens) + 2, H, D, generator=g).to(device)
 
-    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor, per_block: bool, fused: bool):
+    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(q_rows, float("nan"))
         qo = torch.arange(len(seq) + 1, dtype=torch.int32, device=device)
-        counters = _counters(len(seq), device) if fused else None
         unified_attention(q_rows, out, pools.k_full, pools.v_full, pools.req_to_token, rows,
                           torch.tensor(seq, dtype=torch.int32, device=device), qo, 0.125, max_extend_len=1,
-                          window=window, chunk=128, per_block=per_block, counters=counters)
-        assert counters is None or not counters.any(), "the folding program must leave its counter at 0"
+                          window=window, chunk=64)
         return out
 
-    live = decode(pools.rows[: len(lens)], lens, q[: len(lens)], False, False)
+    live = decode(pools.rows[: len(lens)], lens, q[: len(lens)])
     pad_row = torch.zeros(1, dtype=pools.rows.dtype, device=device)
     rows = torch.cat([pools.rows[:2], pad_row, pools.rows[2:4], pad_row])
-    for per_block, fused in ((False, False), (True, False), (False, True), (True, True)):
-        padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1],
-                        torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]), per_block, fused)
-        assert torch.equal(padded[[0, 1, 3, 4]], live), (per_block, fused)
-        assert torch.isfinite(padded[[2, 5]]).all(), (per_block, fused)
+    padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1], torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]))
+    assert torch.equal(padded[[0, 1, 3, 4]], live)
+    assert torch.isfinite(padded[[2, 5]]).all()
 
 
 @pytest.mark.parametrize("window", [100, None])
 def test_unified_gemma_heads_decode_match_extend(window, device, seed):
     """Gemma 3's head (d256, 4 query heads a kv head, bf16), whose extend programs take their own
     launch (8 warps, 3 stages): a prompt's last queries prefilled in one extend give the bits that
-    decode steps give them, with programs per key block and per chunk, folded by a second kernel or
-    by the last program."""
+    decode steps give them, with programs per key block and per chunk."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D, N, last = 4, 1, 256, 200, 6
     pools = make_pools([N], Hkv, D, D, torch.bfloat16, g, device, finite_dummy=True)
@@ -284,10 +270,10 @@ def test_unified_gemma_heads_decode_match_extend(window, device, seed):
                       window=window, chunk=128)
     qo1 = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for p in range(N - last, N):
-        for per_block, fused in ((True, False), (False, False), (True, True), (False, True)):
+        for per_block in (True, False):
             dec = torch.empty_like(q[:1])
             seq = torch.tensor([p + 1], dtype=torch.int32, device=device)
             unified_attention(q[p: p + 1], dec, pools.k_full, pools.v_full, pools.req_to_token,
                               pools.rows[:1], seq, qo1, 0.0625, max_extend_len=1, window=window, chunk=128,
-                              per_block=per_block, counters=_counters(1, device) if fused else None)
-            assert torch.equal(dec[0], out[p]), (p, per_block, fused)
+                              per_block=per_block)
+            assert torch.equal(dec[0], out[p]), (p, per_block)
