@@ -1,10 +1,11 @@
 """Deterministic mode's decode attention on the GPU: `unified_attention` decode steps (chunk or key-block
 programs + merge) over a few (rows, warps, stages) settings, and with programs per chunk and per key block
-forced, against the default mode's `decode_attention` (split by batch size), per Gemma 3 head shape,
-batch size and layer kind (full: 1024 keys; sliding: window 512 through `full_to_swa`). Prints
-achieved K/V bandwidth (bytes of keys and values read once ÷ time).
+forced (sliding layers also without the `full_to_swa` gather), against the default mode's
+`decode_attention` (split by batch size), per Gemma 3 head shape, batch size and layer kind (full: 1024
+keys; sliding: window 512 through `full_to_swa`). Prints achieved K/V bandwidth (bytes of keys and
+values read once ÷ time).
 
-    python benchmarks/unified_attention_sweep.py [--shapes 1b,4b,12b] [--batch-sizes 1,8,32,64,256]
+    python benchmarks/unified_attention_sweep.py [--shapes 1b,4b,12b] [--batch-sizes 1,8,64,256]
     python benchmarks/unified_attention_sweep.py --extend   # prefill programs vs extend_attention
 """
 
@@ -52,7 +53,7 @@ def case(shape: str, bs: int, window: int | None) -> dict:
     keys = min(CTX, window or CTX)
     nbytes = 2 * bs * keys * HKV * D * 2
 
-    def unified(launch, per_block=None):
+    def unified(launch, per_block=None, f2s=f2s):
         return graph_us(lambda i: unified_attention(q, out, k_buf, v_buf, tables[i], rows, seq, qo, D**-0.5,
                                                     max_extend_len=1, window=window, full_to_swa=f2s,
                                                     launch=launch, per_block=per_block), REPS)
@@ -71,6 +72,8 @@ def case(shape: str, bs: int, window: int | None) -> dict:
             timed["x".join(map(str, s))] = type(e).__name__
     # The rule's launch with programs per chunk and per key block forced (the default picks by batch).
     programs = {"chunks": round(unified(None, False), 1), "blocks": round(unified(None, True), 1)}
+    if window:  # the same keys without the full_to_swa gather: what the second gather costs
+        programs["no_map"] = round(unified(None, None, None), 1)
     rule = "x".join(map(str, decode_config(triton.next_power_of_2(H // HKV), window is not None)))
     best = min((k for k, v in timed.items() if isinstance(v, float)), key=timed.get)
     return dict(shape=shape, bs=bs, layer="sliding" if window else "full", keys=keys,
@@ -124,7 +127,7 @@ def extend_case(shape: str, window: int | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="1b,4b,12b")
-    ap.add_argument("--batch-sizes", default="1,8,32,64,256")
+    ap.add_argument("--batch-sizes", default="1,8,64,256")
     ap.add_argument("--extend", action="store_true", help="time extend (prefill) programs instead")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, context {CTX}, "
@@ -143,11 +146,12 @@ def main() -> None:
                 rows.append(r)
                 torch.cuda.empty_cache()
     print(f"\n{'shape':<5} {'bs':>4} {'layer':<8} {'default':>8} {'rule':>8} {'rule/def':>8} {'TB/s':>5}  "
-          f"{'chunks':>7} {'blocks':>7}  {'rule':<8} best")
+          f"{'chunks':>7} {'blocks':>7} {'no_map':>7}  {'rule':<8} best")
     for r in rows:
         print(f"{r['shape']:<5} {r['bs']:>4} {r['layer']:<8} {r['default_us']:>8} {r['rule_us']:>8} "
               f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {r['programs']['chunks']:>7} "
-              f"{r['programs']['blocks']:>7}  {r['rule']:<8} {r['best']} {r['best_us']}")
+              f"{r['programs']['blocks']:>7} {r['programs'].get('no_map', '-'):>7}  {r['rule']:<8} "
+              f"{r['best']} {r['best_us']}")
 
 
 if __name__ == "__main__":
