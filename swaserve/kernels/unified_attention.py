@@ -26,27 +26,29 @@ import triton.language as tl
 from swaserve.kernels.common import _block_d, _finish, dot_flags, interpret_mode, jit_per_batch, num_sms
 from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk
 
-__all__ = ["key_chunk", "unified_attention"]
+__all__ = ["key_chunk", "unified_attention", "window_slots"]
 
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
 DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
 MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at most this many partials
 @jit_per_batch("stride_qt", "stride_ot")
 def _unified_kernel(
-    q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, sinks,
+    q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, slots, sinks,
     part_acc, part_ml, qk_scale, softcap, window,
-    stride_r2t, stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_r2t, stride_slots, stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt,
+    stride_vh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     ROWWISE: tl.constexpr,
 ):
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
     ([T, H, NP, DV] / [T, H, NP, 2] float32) for `_merge_kernel`. Otherwise program (b, kvh, tile)
-    folds every chunk of its tile and writes `out`."""
+    folds every chunk of its tile and writes `out`. `HAS_SLOTS` (decode, sliding layers): request
+    b's keys lo.. are read from `slots[b]`, its window's SWA slots, one gather instead of two."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     TOKS: tl.constexpr = BLOCK_M // GROUP_P
@@ -81,10 +83,16 @@ def _unified_kernel(
         first = c_lo * CHUNK + s * UNIT
         if (first + UNIT <= lo) | (first > hi):
             return
-        m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, first, first + UNIT - 1, lo, hi,
-                          q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_r2t, stride_kt,
-                          stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
-                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
+        if HAS_SLOTS:
+            m, l, acc = _keys(q_t, k_buf, v_buf, slots, full_to_swa, b, lo, first, first + UNIT - 1, lo, hi,
+                              q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_slots, stride_kt,
+                              stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
+                              False, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
+        else:
+            m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, 0, first, first + UNIT - 1,
+                              lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_r2t,
+                              stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
+                              HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
         part = ((q_lo + t) * H + heads) * NP + s  # [BLOCK_M] int64
         tl.store(part_acc + part[:, None] * DV + dv[None, :], acc,
                  mask=rmask[:, None] & (dv[None, :] < DV))
@@ -95,7 +103,7 @@ def _unified_kernel(
         L = tl.zeros([BLOCK_M], tl.float32)
         ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for c in range(c_lo, c_hi + 1):
-            m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, c * CHUNK,
+            m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, 0, c * CHUNK,
                               c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
                               window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
                               BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
@@ -128,6 +136,17 @@ def decode_config(group_p: int, sliding: bool) -> tuple[int, int, int]:
     return max(DECODE_BLOCK_M, group_p), 4, 3 if sliding else 2
 
 
+def window_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                 full_to_swa: torch.Tensor, window: int) -> torch.Tensor:
+    """[bs, window] int32: the SWA slots of each decoding request's window, positions lo.. (lo =
+    max(seq_len - window, 0); entries past the query repeat its slot and are never read), for
+    `unified_attention(slots=...)`. Device ops only (capturable); once per step for all layers."""
+    q_pos = seq_lens.long() - 1
+    pos = (q_pos - window + 1).clamp(min=0)[:, None] + torch.arange(window, device=seq_lens.device)
+    full = req_to_token[req_pool_indices.long()[:, None], torch.minimum(pos, q_pos[:, None])]
+    return full_to_swa[full.long()].to(torch.int32)
+
+
 def unified_attention(
     q: torch.Tensor,  # [T, H, Dk]: this step's queries, request after request
     out: torch.Tensor,  # [T, H, Dv], written
@@ -146,13 +165,16 @@ def unified_attention(
     sinks: torch.Tensor | None = None,  # [H] float
     chunk: int | None = None,  # keys per reduction chunk (default `key_chunk(max_context)`; tests)
     per_block: bool | None = None,  # decode programs per key block, not per chunk (default: by batch; tests)
+    slots: torch.Tensor | None = None,  # [bs, >= window] int32: `window_slots` (decode, sliding layers)
     launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a program (sweeps)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
     (row 0, seq_len 1) read slot 0 and give finite values. A decode batch (`max_extend_len` 1) splits
     its keys over programs by chunk, or by key block where chunk programs would leave most of the GPU
-    idle (a few requests): the same bits either way. Every launch setting depends on static shapes only, so
+    idle (a few requests): the same bits either way. A decode step of a sliding layer may pass
+    `slots` (`window_slots`: the window's slots, translated once a step) instead of reading the
+    table and `full_to_swa` per key. Every launch setting depends on static shapes only, so
     it can be captured. No host sync. Returns `out`."""
     T, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
@@ -196,14 +218,21 @@ def unified_attention(
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if per_block else chunk, NP=np_, H=H, HAS_WINDOW=window is not None,
                  HAS_SINKS=sinks is not None)
+    has_slots = split and slots is not None
+    if has_slots:
+        assert window is not None and slots.dtype == torch.int32, "slots: int32, for a sliding layer"
+        assert slots.shape[0] >= bs and slots.shape[1] >= window and slots.stride(1) == 1, slots.shape
     sinks_arg, window_arg = sinks if sinks is not None else q, window if window is not None else 0
     _unified_kernel[grid](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr,
-        full_to_swa if full_to_swa is not None else seq_lens, sinks_arg, part_acc, part_ml,
+        full_to_swa if full_to_swa is not None else seq_lens, slots if has_slots else seq_lens, sinks_arg,
+        part_acc, part_ml,
         scaling, logit_softcap if logit_softcap else 1.0, window_arg,
-        req_to_token.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        req_to_token.stride(0), slots.stride(0) if has_slots else 0, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split, HAS_MAP=full_to_swa is not None,
+        HAS_SLOTS=has_slots,
         HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), **const,
         num_warps=warps, num_stages=stages,
     )

@@ -47,14 +47,15 @@ def _row_sum(p, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr)
 
 
 @triton.jit
-def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, first, last, lo, hi, q_pos, rmask, kvh, dk, dv,
-          qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
+def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, lo, hi, q_pos, rmask, kvh, dk,
+          dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
           DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_DV: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
           UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr):
     """The tile's softmax state over the aligned key blocks of positions first..last that some row
-    sees (keys lo..hi): each block's state from zero, folded in block order. One block's state is
-    the block's partial bit for bit (an empty state takes a partial exactly)."""
+    sees (keys lo..hi): each block's state from zero, folded in block order. Position p's slot is
+    `req_to_token[row, p - pos0]` (a request table, or a decode step's window slot table). One
+    block's state is the block's partial bit for bit (an empty state takes a partial exactly)."""
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     L = tl.zeros([BLOCK_M], tl.float32)
     ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -64,7 +65,7 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, first, last, lo, hi
         kp = j0 + tl.arange(0, BLOCK_N)
         # Only keys some query of the tile sees are read: older SWA slots may be freed.
         kmask = (kp >= lo) & (kp <= hi)
-        slot = tl.load(req_to_token + row * stride_r2t + kp, mask=kmask, other=0).to(tl.int64)
+        slot = tl.load(req_to_token + row * stride_r2t + (kp - pos0), mask=kmask, other=0).to(tl.int64)
         if HAS_MAP:  # SWA-pool layer: prefix and new tokens alike through full_to_swa
             slot = tl.load(full_to_swa + slot, mask=kmask, other=0).to(tl.int64)
         k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],

@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="triton is not installed; kernel tests need
 from kernel_ref import attend_ref, make_pools, tolerances, window_mask
 
 from swaserve.kernels.bi_matmul import Tiling, bi_linear, tiling
-from swaserve.kernels.unified_attention import unified_attention
+from swaserve.kernels.unified_attention import unified_attention, window_slots
 
 
 # ---- bi_linear -------------------------------------------------------------------------------------
@@ -80,9 +80,10 @@ def test_fused_greedy_head_matches_bi_linear_logits(device, seed):
 # ---- unified_attention -----------------------------------------------------------------------------
 
 def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None, chunk=None, which=None,
-            per_block=None):
+            per_block=None, slots=False):
     """reqs: (prefix, new) per request (`which`: their indices among the pools' requests, default
-    0..); runs the kernel with every K/V already in the pools."""
+    0..); runs the kernel with every K/V already in the pools (`slots`: a decode step of a sliding
+    layer reading its window's slots from `window_slots`)."""
     swa = window is not None
     k_buf, v_buf = (pools.k_swa, pools.v_swa) if swa else (pools.k_full, pools.v_full)
     Dk, Dv = k_buf.shape[2], v_buf.shape[2]
@@ -95,7 +96,9 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125,
                       max_extend_len=max(n for _, n in reqs), window=window,
                       full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks,
-                      chunk=chunk, per_block=per_block)
+                      chunk=chunk, per_block=per_block,
+                      slots=window_slots(pools.req_to_token, rows, seq, pools.full_to_swa, window) if slots
+                      else None)
     return q, out
 
 
@@ -110,7 +113,8 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
                                              seed):
     """`chunk` 64: keys reduced in chunks of 64 positions, one key block (decode: split over programs
     and merged), contexts of up to 4 chunks; 128: two blocks a chunk; None: the engine's (one chunk
-    here). Decode rows run with programs per chunk and per key block: the same bits."""
+    here). Decode rows run with programs per chunk and per key block, sliding layers also reading
+    their window's slots from one table (`window_slots`): the same bits."""
     g = torch.Generator().manual_seed(seed)
     # (prefix, new): decode rows (new = 1) and extend rows, positions W-1, W, W+1, 2W+3 and past 64.
     reqs = [(0, 21), (5, 7), (7, 1), (8, 1), (19, 1), (60, 20), (100, 1), (190, 1), (120, 70)]
@@ -124,9 +128,10 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
     dec = [reqs[b] for b in which]
     q_dec, out_dec = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
                              device, softcap, sinks, chunk, which, per_block=False)
-    _, out_blocks = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
-                            device, softcap, sinks, chunk, which, per_block=True)
-    assert torch.equal(out_blocks, out_dec)
+    for per_block, slots in ((True, False),) + (((False, True), (True, True)) if window else ()):
+        _, other = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
+                           device, softcap, sinks, chunk, which, per_block=per_block, slots=slots)
+        assert torch.equal(other, out_dec), (per_block, slots)
     for i, b in enumerate(which):
         p = reqs[b][0]
         pos = torch.arange(p + 1)
@@ -277,3 +282,25 @@ def test_unified_gemma_heads_decode_match_extend(window, device, seed):
                               pools.rows[:1], seq, qo1, 0.0625, max_extend_len=1, window=window, chunk=128,
                               per_block=per_block)
             assert torch.equal(dec[0], out[p]), (p, per_block)
+
+
+def test_unified_decode_reads_the_window_slot_table(device, seed):
+    """A sliding layer's decode step given `window_slots` reads its keys there and nowhere else:
+    the right table gives the bits of the table + full_to_swa path, another request's table does
+    not."""
+    g = torch.Generator().manual_seed(seed)
+    window, reqs = 40, [(130, 1), (97, 1)]
+    pools = make_pools([p + n for p, n in reqs], 1, 32, 32, torch.float32, g, device,
+                       swa_from=[max(0, p - window + 1) for p, _ in reqs])
+    q, plain = _attend(pools, reqs, 4, 1, window, torch.float32, torch.Generator().manual_seed(seed), device)
+    _, table = _attend(pools, reqs, 4, 1, window, torch.float32, torch.Generator().manual_seed(seed), device,
+                       slots=True)
+    assert torch.equal(table, plain)
+    seq = torch.tensor([p + n for p, n in reqs], dtype=torch.int32, device=device)
+    swapped = window_slots(pools.req_to_token, pools.rows[:2], seq, pools.full_to_swa, window).flip(0)
+    swapped = swapped.contiguous()
+    wrong = torch.empty_like(plain)
+    unified_attention(q, wrong, pools.k_swa, pools.v_swa, pools.req_to_token, pools.rows[:2], seq,
+                      torch.arange(3, dtype=torch.int32, device=device), 0.125, max_extend_len=1,
+                      window=window, full_to_swa=pools.full_to_swa, slots=swapped)
+    assert not torch.allclose(wrong, plain)
