@@ -26,7 +26,7 @@ from swaserve.kernels import (
     store_kv,
 )
 from swaserve.kernels.common import num_sms
-from swaserve.kernels.unified_attention import unified_attention, window_slots
+from swaserve.kernels.unified_attention import unified_attention
 
 if TYPE_CHECKING:
     from swaserve.memory.req_to_token import ReqToTokenPool
@@ -51,7 +51,6 @@ class TritonMetadata:
     qo_indptr: torch.Tensor | None = None  # [bs+1] int32, device (extend)
     prefix_lens: torch.Tensor | None = None  # [bs] int32, device (extend)
     max_extend_len: int = 0
-    window_slots: torch.Tensor | None = None  # [bs, window] int32 (deterministic decode, SWA pool)
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -186,10 +185,6 @@ class TritonAttnBackend(AttentionBackend):
         bs = batch.batch_size
         if batch.is_decode:
             meta.qo_indptr, meta.max_extend_len = self._arange[: bs + 1], 1
-            if self.window is not None and self.full_to_swa is not None:
-                # Sliding layers read their window's SWA slots from one table built per step.
-                meta.window_slots = window_slots(self.req_to_token.req_to_token, batch.req_pool_indices,
-                                                 batch.seq_lens, self.full_to_swa, self.window)
         else:
             assert batch.extend_seq_lens_cpu is not None
             qo = torch.zeros(bs + 1, dtype=torch.int32)
@@ -218,12 +213,11 @@ class TritonAttnBackend(AttentionBackend):
             store_kv(k_buf, v_buf, locs, k, v)
         if self.deterministic:
             out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
-            slots = meta.window_slots if in_swa and spec.sliding_window == self.window else None
             return unified_attention(
                 q, out, k_buf, v_buf, self.req_to_token.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 meta.qo_indptr, spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
                 full_to_swa=self.full_to_swa if in_swa else None, logit_softcap=spec.logit_softcap or 0.0,
-                sinks=sinks, slots=slots)
+                sinks=sinks)
         if (k is None or v is None) and not batch.is_decode:
             # The extend kernel reads new tokens' K/V from tensors: gather them back from the pool
             # (KV-shared layers, and layers whose stored V is not a slice of their projection).
