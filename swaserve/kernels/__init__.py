@@ -39,6 +39,9 @@ host sync, grids fixed by host ints) unless stated otherwise.
   for a sampler that has the logits.
 - `top_p_threshold(logits, top_p)` (top_p.py): each row's nucleus threshold by search in the int
   image of the float32 logits, no sort.
+- Deterministic mode (docs/deterministic.md): `bi_linear` (bi_matmul.py, one MMA chain along K for
+  every M) and `unified_attention` (unified_attention.py: decode and extend through the request
+  table; its reduction order, key blocks folded into chunks, in unified_reduce.py).
 
 Numerics: fp32 accumulation; fp32 inputs use true-fp32 dots (not tf32); bf16 probabilities are
 rounded to bf16 for the P.V product. Measured on one H100 (triton 3.6, bf16): decode at 2.9 TB/s

@@ -31,6 +31,8 @@ __all__ = ["key_chunk", "unified_attention", "window_slots"]
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
 DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
 MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at most this many partials
+
+
 @jit_per_batch("stride_qt", "stride_ot")
 def _unified_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, slots, sinks,
