@@ -147,8 +147,9 @@ def _precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return
     _COMPILED.add(key)
     N, K = weight.shape
-    sms = num_sms(x.device)
-    for t in {tiling(m, N, K, x.dtype, sms) for m in range(1, WARM_ROWS + 1)}:
+    sms, interp = num_sms(x.device), interpret_mode()
+    # The uncached rule: WARM_ROWS sizes would evict the cache entries of the batches actually served.
+    for t in {_tiling.__wrapped__(m, N, K, x.dtype, sms, interp) for m in range(1, WARM_ROWS + 1)}:
         bi_linear(x[:1], weight, bias, out_dtype, tile=t)
 
 

@@ -236,27 +236,30 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
 def test_unified_decode_padded_rows_read_slot_0_and_leave_live_rows_alone(window, device, seed):
     """DESIGN.md §4 for the split decode path: padded rows of a graph batch (table row 0, seq_len 1)
     read reserved slot 0 and give finite values, and the live rows beside them (contexts of several
-    64-key chunks, split over programs and merged) keep the bits they have without padding."""
+    128-key chunks of two key blocks, split over programs by chunk or by key block and merged) keep
+    the bits they have without padding."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = 4, 1, 32
     lens = [150, 64, 1, 97]
     pools = make_pools(lens, Hkv, D, D, torch.float32, g, device, finite_dummy=True)
     q = torch.randn(len(lens) + 2, H, D, generator=g).to(device)
 
-    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor) -> torch.Tensor:
+    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor, per_block: bool) -> torch.Tensor:
         out = torch.full_like(q_rows, float("nan"))
         qo = torch.arange(len(seq) + 1, dtype=torch.int32, device=device)
         unified_attention(q_rows, out, pools.k_full, pools.v_full, pools.req_to_token, rows,
                           torch.tensor(seq, dtype=torch.int32, device=device), qo, 0.125, max_extend_len=1,
-                          window=window, chunk=64)
+                          window=window, chunk=128, per_block=per_block)
         return out
 
-    live = decode(pools.rows[: len(lens)], lens, q[: len(lens)])
+    live = decode(pools.rows[: len(lens)], lens, q[: len(lens)], False)
     pad_row = torch.zeros(1, dtype=pools.rows.dtype, device=device)
     rows = torch.cat([pools.rows[:2], pad_row, pools.rows[2:4], pad_row])
-    padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1], torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]))
-    assert torch.equal(padded[[0, 1, 3, 4]], live)
-    assert torch.isfinite(padded[[2, 5]]).all()
+    for per_block in (False, True):
+        padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1],
+                        torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]), per_block)
+        assert torch.equal(padded[[0, 1, 3, 4]], live), per_block
+        assert torch.isfinite(padded[[2, 5]]).all(), per_block
 
 
 @pytest.mark.parametrize("window", [100, None])
