@@ -3,6 +3,7 @@ cuBLAS (`F.linear`, the default mode) against `bi_linear` with its tiling rule a
 and the fact the rule rests on, checked bitwise: every tiling gives each row the same bits at every M.
 
     python benchmarks/bi_gemm_sweep.py [--shapes 1b,4b] [--ms 1,8,64,256,512,2048,8192]
+        [--extra 16x32k256w4s6,64x64k128w4s6sw]  # more tilings, timed at every M
 
 Times are CUDA-graph replays cycling weight copies (nothing served from L2); "roof" is the time
 floor max(bytes / HBM bandwidth, FLOPs / bf16 dense peak) over the measured time.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -41,10 +43,18 @@ def name(t: Tiling) -> str:
     return f"{t.block_m}x{t.block_n}k{t.block_k}w{t.num_warps}s{t.num_stages}{'sw' if t.swap else ''}"
 
 
-def candidates(M: int) -> list[Tiling]:
-    """Tilings worth timing at M: narrow ones up to 256 rows, wide ones from 256."""
+def parse(text: str) -> Tiling:
+    """The inverse of `name`: "16x32k256w4s6" or "64x64k128w4s4sw"."""
+    m = re.fullmatch(r"(\d+)x(\d+)k(\d+)w(\d+)s(\d+)(sw)?", text)
+    if m is None:
+        raise ValueError(f"not a tiling: {text!r} (e.g. 16x32k256w4s6 or 64x64k128w4s4sw)")
+    return Tiling(*(int(v) for v in m.groups()[:5]), m.group(6) is not None)
+
+
+def candidates(M: int, extra: list[Tiling]) -> list[Tiling]:
+    """Tilings worth timing at M: narrow ones up to 256 rows, wide ones from 256, and the extras."""
     return [t for t in CANDIDATES if (M <= 256 or t.block_m >= 64 and t.block_n >= 64 and not t.swap)
-            and (M >= 256 or t.block_m <= 64)]
+            and (M >= 256 or t.block_m <= 64)] + extra
 
 
 def floor_us(M: int, N: int, K: int) -> float:
@@ -56,7 +66,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="1b,4b")
     ap.add_argument("--ms", default="1,16,64,128,256,512,2048,8192")
     ap.add_argument("--projs", default="qkv,o,gate_up,down,lm_head")
+    ap.add_argument("--extra", default="", help="more tilings (comma-separated names), timed at every M")
     args = ap.parse_args()
+    extra = [parse(t) for t in args.extra.split(",") if t]
     ms = [int(m) for m in args.ms.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
@@ -73,7 +85,7 @@ def main() -> None:
             ref = bi_linear(xs, ws[0], tile=CANDIDATES[-1])
             for M in proj_ms:
                 x = xs[:M]
-                for t in CANDIDATES:  # the invariance the rule rests on: every tiling, every M
+                for t in CANDIDATES + extra:  # the invariance the rule rests on: every tiling, every M
                     checks += 1
                     if not torch.equal(bi_linear(x, ws[0], tile=t), ref[:M]):
                         mismatches += 1
@@ -81,7 +93,7 @@ def main() -> None:
                 cublas = graph_us(lambda i: F.linear(x, ws[i % len(ws)]), 8)
                 rule = graph_us(lambda i: bi_linear(x, ws[i % len(ws)]), 8)
                 per_tile = {name(t): round(graph_us(lambda i: bi_linear(x, ws[i % len(ws)], tile=t), 8), 1)
-                            for t in candidates(M)}
+                            for t in candidates(M, extra)}
                 best = min(per_tile, key=per_tile.get)
                 rule_tile = bi_matmul.tiling(M, N, K, x.dtype, bi_matmul.num_sms(x.device))
                 row = dict(shape=shape, proj=proj, N=N, K=K, M=M, cublas_us=round(cublas, 1),

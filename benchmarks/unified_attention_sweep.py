@@ -25,8 +25,9 @@ from common import graph_us  # noqa: E402
 
 from swaserve.kernels import decode_attention, extend_attention, num_kv_splits_for  # noqa: E402
 from swaserve.kernels.common import num_sms  # noqa: E402
+from swaserve.kernels.index_builders import window_slots  # noqa: E402
 from swaserve.kernels.unified_attention import (  # noqa: E402
-    BLOCK_M, decode_config, unified_attention, unified_config, window_slots,
+    BLOCK_M, decode_config, unified_attention, unified_config,
 )
 
 SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256)}  # heads, kv heads, head dim

@@ -24,6 +24,7 @@ from swaserve.kernels import (
     num_kv_splits_for,
     split_counter_count,
     store_kv,
+    window_slots,
 )
 from swaserve.kernels.common import num_sms
 from swaserve.kernels.unified_attention import unified_attention
@@ -51,6 +52,7 @@ class TritonMetadata:
     qo_indptr: torch.Tensor | None = None  # [bs+1] int32, device (extend)
     prefix_lens: torch.Tensor | None = None  # [bs] int32, device (extend)
     max_extend_len: int = 0
+    slots: torch.Tensor | None = None  # [bs, window] int32, device: deterministic decode's window slots
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -61,8 +63,9 @@ class TritonAttnBackend(AttentionBackend):
     min(seq_len, W) positions, an extend prefix window list starts at max(0, prefix_len - W + 1).
 
     `deterministic`: every step, decode or extend, runs `unified_attention`, which reads all keys
-    through the request table (SWA layers via `full_to_swa`) in position-aligned blocks: no key
-    lists are built, and a query's result depends on neither its batch nor its chunking.
+    through the request table (SWA layers via `full_to_swa`; a decode step's sliding layers via one
+    `window_slots` table built per step) in position-aligned blocks: no key lists are built, and a
+    query's result depends on neither its batch nor its chunking.
     """
 
     fused_kv_store = True
@@ -181,10 +184,15 @@ class TritonAttnBackend(AttentionBackend):
         batch.attn_metadata = meta
 
     def _build_unified(self, batch: ForwardBatch, meta: TritonMetadata) -> None:
-        """The unified kernel reads the table itself: it needs only where each request's queries are."""
+        """The unified kernel reads the table itself: it needs where each request's queries are, and
+        for a decode step the sliding layers' window slots (one table for all of them)."""
         bs = batch.batch_size
         if batch.is_decode:
             meta.qo_indptr, meta.max_extend_len = self._arange[: bs + 1], 1
+            if self.window is not None and self.full_to_swa is not None:
+                # Sliding layers read their window here, not through the table then `full_to_swa`.
+                meta.slots = window_slots(self.req_to_token.req_to_token, batch.req_pool_indices,
+                                          batch.seq_lens, self.full_to_swa, self.window)
         else:
             assert batch.extend_seq_lens_cpu is not None
             qo = torch.zeros(bs + 1, dtype=torch.int32)
@@ -213,11 +221,12 @@ class TritonAttnBackend(AttentionBackend):
             store_kv(k_buf, v_buf, locs, k, v)
         if self.deterministic:
             out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
+            slots = meta.slots if in_swa and spec.sliding_window == self.window else None
             return unified_attention(
                 q, out, k_buf, v_buf, self.req_to_token.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 meta.qo_indptr, spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
                 full_to_swa=self.full_to_swa if in_swa else None, logit_softcap=spec.logit_softcap or 0.0,
-                sinks=sinks)
+                sinks=sinks, slots=slots)
         if (k is None or v is None) and not batch.is_decode:
             # The extend kernel reads new tokens' K/V from tensors: gather them back from the pool
             # (KV-shared layers, and layers whose stored V is not a slice of their projection).

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from swaserve.kernels.decode_attention import decode_attention, num_kv_splits_for, split_counter_count
 from swaserve.kernels.extend_attention import extend_attention
-from swaserve.kernels.index_builders import build_kv_indices, kv_indices_capacity
+from swaserve.kernels.index_builders import build_kv_indices, kv_indices_capacity, window_slots
 from swaserve.kernels.store_kv import store_kv
 
 __all__ = [
@@ -63,4 +63,5 @@ __all__ = [
     "num_kv_splits_for",
     "split_counter_count",
     "store_kv",
+    "window_slots",
 ]

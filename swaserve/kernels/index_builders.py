@@ -1,5 +1,6 @@
-"""Device-side builders of the CSR key lists attention kernels read: full-context lists for full
-layers, window lists translated into SWA-pool space for SWA layers. No host sync, fixed grids."""
+"""Device-side builders of the key lists attention kernels read: CSR full-context lists for full
+layers, window lists translated into SWA-pool space for SWA layers, and deterministic mode's
+per-request window slot table (`window_slots`). No host sync, fixed grids."""
 
 from __future__ import annotations
 
@@ -118,3 +119,36 @@ def kv_indices_capacity(max_bs: int, max_context: int, window: int | None = None
     """
     per_req = max_context if window is None else min(window, max_context)
     return max_bs * per_req
+
+
+@jit_per_batch("stride_r2t")
+def _window_slots_kernel(req_to_token, stride_r2t, req_pool_indices, seq_lens, full_to_swa, out, window,
+                         BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    q_pos = tl.load(seq_lens + b).to(tl.int64) - 1
+    lo = tl.maximum(q_pos - window + 1, 0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pos = tl.minimum(lo + j, q_pos)
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    full = tl.load(req_to_token + row * stride_r2t + pos)
+    slot = tl.load(full_to_swa + full.to(tl.int64))
+    tl.store(out + b * window + j, slot.to(tl.int32), mask=j < window)
+
+
+def window_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                 full_to_swa: torch.Tensor, window: int) -> torch.Tensor:
+    """[bs, window] int32: the SWA slots of each decoding request's window, positions lo.. (lo =
+    max(seq_len - window, 0); entries past the query repeat its slot and are never read), for
+    `unified_attention(slots=...)`: sliding layers then read one table instead of two gathers per key.
+    One launch, no host sync (capturable); once per step for all sliding layers."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    bs = req_pool_indices.numel()
+    assert seq_lens.numel() == bs and req_to_token.stride(1) == 1
+    out = torch.empty(bs, window, dtype=torch.int32, device=seq_lens.device)
+    if bs:
+        block = min(triton.next_power_of_2(window), 1024)
+        _window_slots_kernel[(bs, triton.cdiv(window, block))](
+            req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, full_to_swa, out, window,
+            BLOCK=block)
+    return out

@@ -26,7 +26,7 @@ import triton.language as tl
 from swaserve.kernels.common import _block_d, _finish, dot_flags, interpret_mode, jit_per_batch, num_sms
 from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk
 
-__all__ = ["key_chunk", "unified_attention", "window_slots"]
+__all__ = ["key_chunk", "unified_attention"]
 
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
 DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
@@ -136,17 +136,6 @@ def decode_config(group_p: int, sliding: bool) -> tuple[int, int, int]:
     gathers (table, then `full_to_swa`): a third stage in flight helps there, not in full layers
     (H100, benchmarks/results/h100_unified_attention_sweep.log)."""
     return max(DECODE_BLOCK_M, group_p), 4, 3 if sliding else 2
-
-
-def window_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                 full_to_swa: torch.Tensor, window: int) -> torch.Tensor:
-    """[bs, window] int32: the SWA slots of each decoding request's window, positions lo.. (lo =
-    max(seq_len - window, 0); entries past the query repeat its slot and are never read), for
-    `unified_attention(slots=...)`. Device ops only (capturable); once per step for all layers."""
-    q_pos = seq_lens.long() - 1
-    pos = (q_pos - window + 1).clamp(min=0)[:, None] + torch.arange(window, device=seq_lens.device)
-    full = req_to_token[req_pool_indices.long()[:, None], torch.minimum(pos, q_pos[:, None])]
-    return full_to_swa[full.long()].to(torch.int32)
 
 
 def unified_attention(

@@ -13,7 +13,8 @@ pytest.importorskip("triton", reason="triton is not installed; kernel tests need
 from kernel_ref import attend_ref, make_pools, tolerances, window_mask
 
 from swaserve.kernels.bi_matmul import Tiling, bi_linear, tiling
-from swaserve.kernels.unified_attention import unified_attention, window_slots
+from swaserve.kernels.index_builders import window_slots
+from swaserve.kernels.unified_attention import unified_attention
 
 
 # ---- bi_linear -------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""build_kv_indices: CSR key lists (full and windowed, translated into SWA space) vs a Python loop."""
+"""build_kv_indices: CSR key lists (full and windowed, translated into SWA space), and window_slots
+(deterministic decode's per-request window table), vs Python loops."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ pytest.importorskip(
     "triton", reason="triton is not installed; kernel tests need it (CPU: TRITON_INTERPRET=1)"
 )
 
-from swaserve.kernels.index_builders import build_kv_indices, kv_indices_capacity
+from swaserve.kernels.index_builders import build_kv_indices, kv_indices_capacity, window_slots
 
 
 def _expected(r2t, rows, kv_lens, window, f2s, first_q):
@@ -92,3 +93,27 @@ def test_build_kv_indices_empty_batch(device):
         torch.zeros(4, dtype=torch.int32, device=device),
     )
     assert kv_indptr.tolist() == [0]
+
+
+@pytest.mark.parametrize("window", [1, 8, 50, 1500])  # 1500: more than one program per request
+def test_window_slots(window, device, seed):
+    """Row b holds the SWA slots of positions lo .. q (lo = max(q - W + 1, 0)), then q's slot
+    repeated up to W entries; a padded row (row 0, seq_len 1) reads the dummy slot."""
+    g = torch.Generator().manual_seed(seed)
+    R, C, F = 5, 2000, 12000
+    seq = torch.tensor([7, 8, 9, 1, 1999, 60], dtype=torch.int32)
+    rows = torch.tensor([3, 1, 5, 0, 2, 4])
+    r2t = torch.zeros(R + 1, C, dtype=torch.int32)
+    r2t[1:] = (torch.randperm(F, generator=g)[: R * C].view(R, C) + 1).int()
+    f2s = torch.zeros(F + 2, dtype=torch.int32)
+    f2s[1:-1] = (torch.randperm(F, generator=g) + 1).int()
+    out = window_slots(r2t.to(device), rows.to(device), seq.to(device), f2s.to(device), window).cpu()
+    assert out.shape == (len(rows), window) and out.dtype == torch.int32
+    for b, (row, n) in enumerate(zip(rows.tolist(), seq.tolist())):
+        q = n - 1
+        lo = max(q - window + 1, 0)
+        pos = [min(lo + j, q) for j in range(window)]
+        assert out[b].tolist() == f2s[r2t[row, pos].long()].tolist(), (b, window)
+    assert out[rows.tolist().index(0)].eq(0).all()
+    with pytest.raises(ValueError, match="window"):
+        window_slots(r2t, rows, seq, f2s, 0)

@@ -133,10 +133,19 @@ def test_mode_agrees_with_the_default_path(gemma3_dir):
 
 
 def test_triton_backend_probes_identical(gemma3_dir, monkeypatch):
-    """The unified Triton kernel (CPU interpreter) in the engine: greedy probes alone vs batched."""
+    """The unified Triton kernel (CPU interpreter) in the engine: greedy probes alone vs batched, the
+    decode steps' sliding layers reading the per-step window slot table; the same tokens as the
+    torch-native backend of the mode."""
     pytest.importorskip("triton")
+    import swaserve.attention.triton as tb
     import swaserve.runner.model_runner as mr
+    from swaserve.kernels.index_builders import window_slots
 
+    native = _alone(gemma3_dir, torch.float32, True, False)
     monkeypatch.setattr(mr, "default_attention_backend", lambda device: "triton")
+    tables = []
+    monkeypatch.setattr(tb, "window_slots", lambda *a: tables.append(a[-1]) or window_slots(*a))
     alone = _alone(gemma3_dir, torch.float32, True, False)
+    assert tables and set(tables) == {8}, "decode steps did not build the window slot table"
     assert _loaded(gemma3_dir, torch.float32, True, False, 5, "mixed", 1) == alone
+    assert {rid: tokens for rid, (tokens, _) in alone.items()} == {rid: t for rid, (t, _) in native.items()}
