@@ -12,6 +12,7 @@ floor max(bytes / HBM bandwidth, FLOPs / bf16 dense peak) over the measured time
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us  # noqa: E402
@@ -57,6 +59,18 @@ def candidates(M: int, extra: list[Tiling]) -> list[Tiling]:
             and (M >= 256 or t.block_m <= 64)] + extra
 
 
+@functools.cache
+def fits(t: Tiling) -> bool:
+    """Whether the tiling compiles within the GPU's shared memory (an extra may not)."""
+    try:
+        bi_linear(torch.zeros(1, 1024, device="cuda", dtype=torch.bfloat16),
+                  torch.zeros(256, 1024, device="cuda", dtype=torch.bfloat16), tile=t)
+        return True
+    except triton.runtime.errors.OutOfResources as e:
+        print(f"# {name(t)} skipped: {e}")
+        return False
+
+
 def floor_us(M: int, N: int, K: int) -> float:
     return max(2 * (M * K + N * K + M * N) / HBM, 2 * M * N * K / PEAK) * 1e6
 
@@ -86,6 +100,8 @@ def main() -> None:
             for M in proj_ms:
                 x = xs[:M]
                 for t in CANDIDATES + extra:  # the invariance the rule rests on: every tiling, every M
+                    if not fits(t):
+                        continue
                     checks += 1
                     if not torch.equal(bi_linear(x, ws[0], tile=t), ref[:M]):
                         mismatches += 1
@@ -93,7 +109,7 @@ def main() -> None:
                 cublas = graph_us(lambda i: F.linear(x, ws[i % len(ws)]), 8)
                 rule = graph_us(lambda i: bi_linear(x, ws[i % len(ws)]), 8)
                 per_tile = {name(t): round(graph_us(lambda i: bi_linear(x, ws[i % len(ws)], tile=t), 8), 1)
-                            for t in candidates(M, extra)}
+                            for t in candidates(M, extra) if fits(t)}
                 best = min(per_tile, key=per_tile.get)
                 rule_tile = bi_matmul.tiling(M, N, K, x.dtype, bi_matmul.num_sms(x.device))
                 row = dict(shape=shape, proj=proj, N=N, K=K, M=M, cublas_us=round(cublas, 1),
