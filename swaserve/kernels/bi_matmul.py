@@ -41,18 +41,23 @@ class Tiling(NamedTuple):
 
 # Per band of M (rows up to the key), tilings from the widest to the narrowest, by the K step of the
 # narrow tiles (256 for K >= 2048, else 128); a launch takes the first whose tiles fill half the SMs,
-# else the narrowest. Measured on the H100 (benchmarks/results/h100_bi_gemm_sweep.log): decode-sized
-# batches stream the weight fastest with narrow tiles and long K steps (up to 16 rows with the operands
-# swapped: 4B at one row 94 -> 84 us a layer, results/h100_bi_gemm_sweep_swapped_tiles.log), prefill
-# with 128 x 128 tiles. The tiling never changes a result's bits, only its speed.
+# else the narrowest. Past 256 rows, BIG tiles give way to WIDE ones where WIDE's last wave is fuller
+# (`_waves`). Measured on the H100 (benchmarks/results/h100_bi_gemm_sweep*.log): decode-sized batches
+# stream the weight fastest with narrow tiles, long K steps and deep pipelines (up to 16 rows with the
+# operands swapped: 4B at one row 94 -> 84 us a layer, `_swapped_tiles.log`; 6-8 stages from 129 rows
+# and at one row for narrow weights: 1B at 256 rows 56.4 -> 50.5 us a layer, 4B 143 -> 122,
+# `_deep_stages.log`), prefill with 256 x 128 tiles (1B at 2048 rows 266 -> 230 us a layer, 4B
+# 746 -> 695). The tiling never changes a result's bits, only its speed.
 WIDE = Tiling(128, 128, 64, 4, 4)
+BIG = Tiling(256, 128, 64, 8, 3)
 _LADDERS = {
     kx: (
-        (16, (Tiling(16, 128, 128, 4, 4, True), Tiling(16, 64, 256, 4, 4, True))),  # swapped
+        (16, (Tiling(16, 128, 128, 4, 4, True), Tiling(16, 64, 128, 4, 8, True), Tiling(16, 32, 256, 2, 6))),
         (64, (Tiling(64, 128, 64, 4, 4), Tiling(64, 32, kx, 4, 4), Tiling(64, 16, 256, 4, 4))),
         (128, (Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4), Tiling(64, 32, kx, 4, 4))),
-        (256, (WIDE, Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4), Tiling(64, 32, kx, 4, 4))),
-        (None, (WIDE, Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4))),
+        (256, (Tiling(128, 128, 64, 4, 6), Tiling(64, 128, 64, 4, 8), Tiling(64, 64, 128, 4, 6, True),
+               Tiling(64, 32, kx, 4, 4))),
+        (None, (BIG, WIDE, Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4))),
     )
     for kx in (128, 256)
 }
@@ -65,11 +70,24 @@ def tiling(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> Tiling:
     return _tiling(m, n, k, dtype, sms, interpret_mode())
 
 
+def _tiles(t: Tiling, m: int, n: int) -> int:
+    return triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+
+
+def _waves(t: Tiling, m: int, n: int, sms: int) -> float:
+    """How full the launch's waves are on average (one program per SM at these tile sizes)."""
+    tiles = _tiles(t, m, n)
+    return tiles / (triton.cdiv(tiles, sms) * sms)
+
+
 @functools.lru_cache(maxsize=4096)
 def _tiling(m: int, n: int, k: int, dtype: torch.dtype, sms: int, interpret: bool) -> Tiling:
     ladder = next(ts for top, ts in _LADDERS[256 if k >= 2048 else 128] if top is None or m <= top)
-    fills = (t for t in ladder if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= sms // 2)
-    return _fit(next(fills, ladder[-1]), dtype, interpret)
+    fills = [t for t in ladder if _tiles(t, m, n) >= sms // 2]
+    t = fills[0] if fills else ladder[-1]
+    if t == BIG and _waves(WIDE, m, n, sms) > _waves(BIG, m, n, sms) + 0.05:
+        t = WIDE  # e.g. 160 BIG tiles on 132 SMs: a second wave of 28
+    return _fit(t, dtype, interpret)
 
 
 def _fit(t: Tiling, dtype: torch.dtype, interpret: bool) -> Tiling:
