@@ -42,19 +42,20 @@ class Tiling(NamedTuple):
 # Per band of M (rows up to the key), tilings from the widest to the narrowest, by the K step of the
 # narrow tiles (256 for K >= 2048, else 128); a launch takes the first whose tiles fill half the SMs,
 # else the narrowest. Past 256 rows, BIG tiles give way to WIDE ones where WIDE's last wave is fuller
-# (`_waves`). Measured on the H100 (benchmarks/results/h100_bi_gemm_sweep*.log): decode-sized batches
-# stream the weight fastest with narrow tiles, long K steps and deep pipelines (up to 16 rows with the
-# operands swapped: 4B at one row 94 -> 84 us a layer, `_swapped_tiles.log`; 6-8 stages from 129 rows
-# and at one row for narrow weights: 1B at 256 rows 56.4 -> 50.5 us a layer, 4B 143 -> 122,
-# `_deep_stages.log`), prefill with 256 x 128 tiles (1B at 2048 rows 266 -> 230 us a layer, 4B
-# 746 -> 695). The tiling never changes a result's bits, only its speed.
+# (`_waves`). Measured on the H100 (benchmarks/results/h100_bi_gemm_sweep*.log):
+# - decode-sized batches stream the weight fastest with narrow tiles, long K steps and deep pipelines;
+# - up to 16 rows with the operands swapped (4B at one row 94 -> 84 us a layer, `_swapped_tiles.log`);
+# - 6-8 stages from 65 rows, and at one row for narrow weights (1B at 256 rows 56.4 -> 49.5 us a layer,
+#   4B 143 -> 121, 4B at 128 rows 105 -> 98: `_deep_stages.log`, `_rule_deep_stages.log`);
+# - prefill with 256 x 128 tiles (1B at 2048 rows 266 -> 225 us a layer, 4B 746 -> 706).
+# The tiling never changes a result's bits, only its speed.
 WIDE = Tiling(128, 128, 64, 4, 4)
 BIG = Tiling(256, 128, 64, 8, 3)
 _LADDERS = {
     kx: (
         (16, (Tiling(16, 128, 128, 4, 4, True), Tiling(16, 64, 128, 4, 8, True), Tiling(16, 32, 256, 2, 6))),
         (64, (Tiling(64, 128, 64, 4, 4), Tiling(64, 32, kx, 4, 4), Tiling(64, 16, 256, 4, 4))),
-        (128, (Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4), Tiling(64, 32, kx, 4, 4))),
+        (128, (Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 6, True), Tiling(64, 32, kx, 4, 4))),
         (256, (Tiling(128, 128, 64, 4, 6), Tiling(64, 128, 64, 4, 8), Tiling(64, 64, 128, 4, 6, True),
                Tiling(64, 32, kx, 4, 4))),
         (None, (BIG, WIDE, Tiling(64, 128, 64, 4, 4), Tiling(64, 64, 128, 4, 4))),
