@@ -121,7 +121,7 @@ def kv_indices_capacity(max_bs: int, max_context: int, window: int | None = None
     return max_bs * per_req
 
 
-@jit_per_batch("stride_r2t")
+@triton.jit
 def _window_slots_kernel(req_to_token, stride_r2t, req_pool_indices, seq_lens, full_to_swa, out, window,
                          BLOCK: tl.constexpr):
     b = tl.program_id(0)
