@@ -12,6 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed; kernel tests need
 
 from kernel_ref import attend_ref, make_pools, tolerances, window_mask
 
+from swaserve.kernels import bi_matmul
 from swaserve.kernels.bi_matmul import Tiling, bi_linear, tiling
 from swaserve.kernels.index_builders import window_slots
 from swaserve.kernels.unified_attention import unified_attention
@@ -32,6 +33,18 @@ def test_bi_linear_matches_reference(dtype, bias, device, seed):
         y = bi_linear(x, w, b, out_dtype=out_dtype)
         assert y.dtype == (out_dtype or dtype)
         torch.testing.assert_close(y.double(), ref, **tolerances(y.dtype if out_dtype is None else dtype))
+
+
+def test_bi_linear_rule_prefill_tiles_follow_the_last_wave():
+    """Past 256 rows the rule takes 256x128 tiles unless 128x128 ones fill the last wave better, and
+    a narrow weight at one row gets the narrowest decode tile (the H100's 132 SMs, bf16)."""
+    def rule(m, n, k):
+        return bi_matmul._tiling(m, n, k, torch.bfloat16, 132, False)
+
+    assert rule(2048, 13824, 1152) == bi_matmul.BIG  # 864 or 1728 tiles: 93.5% full waves either way
+    assert rule(2048, 2560, 2048) == bi_matmul.WIDE  # 160 big tiles: a second wave of 28 of 132 SMs
+    assert rule(8192, 2560, 2048) == bi_matmul.BIG  # 640 big tiles: 97% full waves
+    assert rule(1, 1152, 6912) == bi_matmul._LADDERS[256][0][1][-1]  # 1B's down: 36 programs, not 18
 
 
 def test_bi_linear_rows_are_batch_invariant_across_tilings(device, seed):
