@@ -251,29 +251,39 @@ def test_unified_decode_padded_rows_read_slot_0_and_leave_live_rows_alone(window
     """DESIGN.md §4 for the split decode path: padded rows of a graph batch (table row 0, seq_len 1)
     read reserved slot 0 and give finite values, and the live rows beside them (contexts of several
     128-key chunks of two key blocks, split over programs by chunk or by key block and merged) keep
-    the bits they have without padding."""
+    the bits they have without padding. With a window also in the SWA pool through the step's window
+    slot table (`window_slots`), as the engine's sliding layers read it: a padded row's table holds
+    SWA slot 0."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = 4, 1, 32
     lens = [150, 64, 1, 97]
-    pools = make_pools(lens, Hkv, D, D, torch.float32, g, device, finite_dummy=True)
+    swa_from = None if window is None else [max(0, n - window) for n in lens]
+    pools = make_pools(lens, Hkv, D, D, torch.float32, g, device, finite_dummy=True, swa_from=swa_from)
     q = torch.randn(len(lens) + 2, H, D, generator=g).to(device)
 
-    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor, per_block: bool) -> torch.Tensor:
+    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor, per_block: bool,
+               slots: bool) -> torch.Tensor:
         out = torch.full_like(q_rows, float("nan"))
         qo = torch.arange(len(seq) + 1, dtype=torch.int32, device=device)
-        unified_attention(q_rows, out, pools.k_full, pools.v_full, pools.req_to_token, rows,
-                          torch.tensor(seq, dtype=torch.int32, device=device), qo, 0.125, max_extend_len=1,
-                          window=window, chunk=128, per_block=per_block)
+        seq_t = torch.tensor(seq, dtype=torch.int32, device=device)
+        k, v, swa = pools.k_full, pools.v_full, {}
+        if slots:
+            k, v = pools.k_swa, pools.v_swa
+            swa = dict(full_to_swa=pools.full_to_swa,
+                       slots=window_slots(pools.req_to_token, rows, seq_t, pools.full_to_swa, window))
+        unified_attention(q_rows, out, k, v, pools.req_to_token, rows, seq_t, qo, 0.125, max_extend_len=1,
+                          window=window, chunk=128, per_block=per_block, **swa)
         return out
 
-    live = decode(pools.rows[: len(lens)], lens, q[: len(lens)], False)
     pad_row = torch.zeros(1, dtype=pools.rows.dtype, device=device)
     rows = torch.cat([pools.rows[:2], pad_row, pools.rows[2:4], pad_row])
-    for per_block in (False, True):
-        padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1],
-                        torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]), per_block)
-        assert torch.equal(padded[[0, 1, 3, 4]], live), per_block
-        assert torch.isfinite(padded[[2, 5]]).all(), per_block
+    for slots in (False, True) if window is not None else (False,):
+        live = decode(pools.rows[: len(lens)], lens, q[: len(lens)], False, slots)
+        for per_block in (False, True):
+            padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1],
+                            torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]), per_block, slots)
+            assert torch.equal(padded[[0, 1, 3, 4]], live), (per_block, slots)
+            assert torch.isfinite(padded[[2, 5]]).all(), (per_block, slots)
 
 
 @pytest.mark.parametrize("window", [100, None])
