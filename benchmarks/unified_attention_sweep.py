@@ -27,7 +27,7 @@ from swaserve.kernels import decode_attention, extend_attention, num_kv_splits_f
 from swaserve.kernels.common import num_sms  # noqa: E402
 from swaserve.kernels.index_builders import window_slots  # noqa: E402
 from swaserve.kernels.unified_attention import (  # noqa: E402
-    BLOCK_M, decode_config, unified_attention, unified_config,
+    BLOCK_M, PROGRAMS, decode_config, decode_programs, key_chunk, unified_attention, unified_config,
 )
 
 SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256)}  # heads, kv heads, head dim
@@ -60,10 +60,10 @@ def case(shape: str, bs: int, window: int | None) -> dict:
     # What the engine passes a sliding layer's decode step: its window's SWA slots, once a step.
     slots = [window_slots(tables[i], rows, seq, f2s, window) for i in range(REPS)] if window else None
 
-    def unified(launch, per_block=None, f2s=f2s, table=True):
+    def unified(launch, programs=None, f2s=f2s, table=True):
         return graph_us(lambda i: unified_attention(q, out, k_buf, v_buf, tables[i], rows, seq, qo, D**-0.5,
                                                     max_extend_len=1, window=window, full_to_swa=f2s,
-                                                    launch=launch, per_block=per_block,
+                                                    launch=launch, programs=programs,
                                                     slots=slots[i] if slots and table else None), REPS)
 
     # The default mode's kernel, on the same keys as lists (its SWA layers read SWA slots directly).
@@ -78,12 +78,20 @@ def case(shape: str, bs: int, window: int | None) -> dict:
             timed["x".join(map(str, s))] = round(unified(s), 1)
         except Exception as e:  # out of shared memory etc.: not a candidate
             timed["x".join(map(str, s))] = type(e).__name__
-    # The rule's launch with programs per chunk and per key block forced (the default picks by batch).
-    programs = {"chunks": round(unified(None, False), 1), "blocks": round(unified(None, True), 1)}
+    # The rule's launch with each program layout forced (the default picks by batch), and request
+    # programs on two stages.
+    group_p, chunk = triton.next_power_of_2(H // HKV), key_chunk(MAX_CONTEXT)
+    chunks = triton.cdiv(MAX_CONTEXT, chunk)
+    if window:
+        chunks = min(chunks, (window - 1) // chunk + 2)
+    rule_programs = decode_programs(bs * HKV, chunks, chunk // unified_config(D, 2)[0], num_sms(q.device))
+    programs = {p: round(unified(decode_config(group_p, window is not None, p), p), 1) for p in PROGRAMS}
+    programs["request_2_stages"] = round(unified((decode_config(group_p, False)[0], 4, 2), "request"), 1)
+    programs["rule"] = rule_programs
     if window:  # per key through the table and full_to_swa, and without that map (the keys' traffic alone)
         programs["two_gathers"] = round(unified(None, table=False), 1)
         programs["no_map"] = round(unified(None, f2s=None, table=False), 1)
-    rule = "x".join(map(str, decode_config(triton.next_power_of_2(H // HKV), window is not None)))
+    rule = "x".join(map(str, decode_config(group_p, window is not None, rule_programs)))
     best = min((k for k, v in timed.items() if isinstance(v, float)), key=timed.get)
     return dict(shape=shape, bs=bs, layer="sliding" if window else "full", keys=keys,
                 default_us=round(default, 1),

@@ -7,7 +7,7 @@
 # SVO_RATE req/s; svo_poisson_512 with 512-token prefill chunks) and stress_1b (200 @ 128); for issue 20:
 # prefix_1b / prefix_4b (benchmarks/prefix_cache.py, cache on vs off); for issue 17: det_kernels (the
 # batch-invariant kernels natively), bi_gemm (benchmarks/bi_gemm_sweep.py), ua_sweep
-# (benchmarks/unified_attention_sweep.py), det_probes_{1b,4b,g4} (64
+# (benchmarks/unified_attention_sweep.py; UA_ARGS adds options, e.g. "--batch-sizes 64,256"), det_probes_{1b,4b,g4} (64
 # probes alone vs among 100 others, mode on and off), det_cost_1b / det_cost_4b (decode step and offline
 # throughput off vs on, top kernels; DET_ARGS adds options, e.g. "--profile-bs 1,256") and det_serve (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
@@ -101,7 +101,7 @@ for step in "${steps[@]}"; do
         bi_gemm)  # issue 17: the batch-invariant GEMM's tilings vs cuBLAS per projection and M, bitwise invariance
             run bi_gemm 400 python3 benchmarks/bi_gemm_sweep.py ${BI_GEMM_ARGS:-} ;;
         ua_sweep)  # issue 17: deterministic decode attention's launch settings vs the default mode's kernel
-            run ua_sweep 300 python3 benchmarks/unified_attention_sweep.py --shapes 1b,4b ;;
+            run ua_sweep 300 python3 benchmarks/unified_attention_sweep.py --shapes 1b,4b ${UA_ARGS:-} ;;
         overlap)  # overlap vs sync engines (fp32, and bf16 in deterministic mode)
             run overlap 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_overlap_gpu.py ;;
         overlap_eagle)  # overlap vs sync engines and EAGLE-3 heads, each file in its own process

@@ -6,14 +6,15 @@ Why it is invariant: a query's keys are reduced in one order fixed by absolute p
 engine's `max_context` (`unified_reduce`): each key block's softmax state from zero, blocks folded
 into chunks of `key_chunk(max_context)` keys, chunks folded in order (`_fold`). A decode step
 computes chunks (or, for a few requests, single key blocks) in parallel programs and folds them in
-`_merge_kernel`; an extend program folds them in registers: the same operations on the same key
-blocks, so a query gets the same bits decoded or prefilled, whatever else is in the batch and
-wherever the chunk boundaries of its prefill fall. A decode tile holds one token's query heads (16
-rows), an extend tile 64: every reduction along a row is therefore one that does not depend on the
-tile's height or thread layout: the max (exact), and dot products on the MMA (q.k, p.v, and the
-softmax's row sum as p times ones, `_row_sum`), whose rounding does not depend on the instruction's
-M (measured per GPU with the GEMM, `bi_matmul`). Blocks and chunks a query cannot see (the tile's
-other queries may) are exact no-ops (an empty state stays empty and leaves a fold unchanged).
+`_merge_kernel`, or (many requests) one program per request folds them in registers as an extend
+program does: the same operations on the same key blocks, so a query gets the same bits decoded or
+prefilled, whatever else is in the batch and wherever the chunk boundaries of its prefill fall. A
+decode tile holds one token's query heads (16 rows), an extend tile 64: every reduction along a row
+is therefore one that does not depend on the tile's height or thread layout: the max (exact), and
+dot products on the MMA (q.k, p.v, and the softmax's row sum as p times ones, `_row_sum`), whose
+rounding does not depend on the instruction's M (measured per GPU with the GEMM, `bi_matmul`).
+Blocks and chunks a query cannot see (the tile's other queries may) are exact no-ops (an empty state
+stays empty and leaves a fold unchanged).
 Tiles and launch settings depend only on the head dim, GQA group, dtype, layer kind and batch size.
 """
 
@@ -31,6 +32,8 @@ __all__ = ["key_chunk", "unified_attention"]
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
 DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
 MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at most this many partials
+REQUEST_PROGRAM_WAVES = 1.5  # decode programs per (request, kv head) from this many per SM (measured, H100)
+PROGRAMS = ("block", "chunk", "request")
 
 
 @jit_per_batch("stride_qt", "stride_ot")
@@ -49,8 +52,9 @@ def _unified_kernel(
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
     ([T, H, NP, DV] / [T, H, NP, 2] float32) for `_merge_kernel`. Otherwise program (b, kvh, tile)
-    folds every chunk of its tile and writes `out`. `HAS_SLOTS` (decode, sliding layers): request
-    b's keys lo.. are read from `slots[b]`, its window's SWA slots, one gather instead of two."""
+    folds every chunk of its tile and writes `out` (extend, and a decode step's request programs).
+    `HAS_SLOTS` (decode, sliding layers): request b's keys lo.. are read from `slots[b]`, its window's
+    SWA slots, one gather instead of two (`HAS_MAP` is then off)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     TOKS: tl.constexpr = BLOCK_M // GROUP_P
@@ -80,21 +84,19 @@ def _unified_kernel(
         lo = tl.maximum(q0 + t0 - window + 1, 0)  # the earliest key the tile's first query sees
 
     c_lo, c_hi = lo // CHUNK, hi // CHUNK
+    if HAS_SLOTS:  # position p's slot at slots[b, p - lo]
+        table, trow, pos0, stride_t = slots, b, lo, stride_slots
+    else:  # at req_to_token[row, p] (then full_to_swa where HAS_MAP)
+        table, trow, pos0, stride_t = req_to_token, row, tl.zeros([], tl.int64), stride_r2t
     if SPLIT:
         s = tl.program_id(2)
         first = c_lo * CHUNK + s * UNIT
         if (first + UNIT <= lo) | (first > hi):
             return
-        if HAS_SLOTS:
-            m, l, acc = _keys(q_t, k_buf, v_buf, slots, full_to_swa, b, lo, first, first + UNIT - 1, lo, hi,
-                              q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_slots, stride_kt,
-                              stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
-                              False, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
-        else:
-            m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, 0, first, first + UNIT - 1,
-                              lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_r2t,
-                              stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
-                              HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
+        m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, first, first + UNIT - 1, lo,
+                          hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_t, stride_kt,
+                          stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
+                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
         part = ((q_lo + t) * H + heads) * NP + s  # [BLOCK_M] int64
         tl.store(part_acc + part[:, None] * DV + dv[None, :], acc,
                  mask=rmask[:, None] & (dv[None, :] < DV))
@@ -105,9 +107,9 @@ def _unified_kernel(
         L = tl.zeros([BLOCK_M], tl.float32)
         ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for c in range(c_lo, c_hi + 1):
-            m, l, acc = _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, 0, c * CHUNK,
+            m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, c * CHUNK,
                               c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
-                              window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
+                              window, stride_t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
                               BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
             M, L, ACC = _fold(M, L, ACC, m, l, acc)
         o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
@@ -130,12 +132,24 @@ def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
     return 64, 4, 2
 
 
-def decode_config(group_p: int, sliding: bool) -> tuple[int, int, int]:
+def decode_config(group_p: int, sliding: bool, programs: str = "chunk") -> tuple[int, int, int]:
     """(rows, num_warps, num_stages) of a decode program: one token's query heads in the smallest
-    tile the MMA takes; its key block is the extend tile's. A sliding layer's keys sit behind two
-    gathers (table, then `full_to_swa`): a third stage in flight helps there, not in full layers
-    (H100, benchmarks/results/h100_unified_attention_sweep.log)."""
-    return max(DECODE_BLOCK_M, group_p), 4, 3 if sliding else 2
+    tile the MMA takes; its key block is the extend tile's. A sliding layer's keys sit behind a
+    gather more (its window's slot table, or the table then `full_to_swa`): a third stage in flight
+    helps there, and in a program that streams a request's whole context, not in a full layer's
+    chunk or block program (H100, benchmarks/results/h100_unified_attention_sweep*.log)."""
+    return max(DECODE_BLOCK_M, group_p), 4, 3 if sliding or programs == "request" else 2
+
+
+def decode_programs(pairs: int, chunks: int, blocks_per_chunk: int, sms: int) -> str:
+    """How a decode step spreads `pairs` (request, kv head) queries over programs, from static
+    shapes only: one program per key block where chunk programs would leave most SMs idle (a few
+    requests; partials stay few), one per request where those alone fill the SMs `REQUEST_PROGRAM_WAVES`
+    times over (no partials, no merge, no programs past a short context's last chunk), else one per
+    chunk. The same bits every way: each block's state from zero, folded in one order."""
+    if pairs * chunks < sms and chunks * blocks_per_chunk <= MAX_BLOCK_PARTIALS:
+        return "block"
+    return "request" if pairs >= REQUEST_PROGRAM_WAVES * sms else "chunk"
 
 
 def unified_attention(
@@ -155,18 +169,18 @@ def unified_attention(
     logit_softcap: float = 0.0,
     sinks: torch.Tensor | None = None,  # [H] float
     chunk: int | None = None,  # keys per reduction chunk (default `key_chunk(max_context)`; tests)
-    per_block: bool | None = None,  # decode programs per key block, not per chunk (default: by batch; tests)
+    programs: str | None = None,  # decode programs per "block", "chunk" or "request" (default: by batch)
     slots: torch.Tensor | None = None,  # [bs, >= window] int32: `window_slots` (decode, sliding layers)
     launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a program (sweeps)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
     (row 0, seq_len 1) read slot 0 and give finite values. A decode batch (`max_extend_len` 1) splits
-    its keys over programs by chunk, or by key block where chunk programs would leave most of the GPU
-    idle (a few requests): the same bits either way. A decode step of a sliding layer may pass
-    `slots` (`window_slots`: the window's slots, translated once a step) instead of reading the
-    table and `full_to_swa` per key. Every launch setting depends on static shapes only, so
-    it can be captured. No host sync. Returns `out`."""
+    its keys over programs by chunk, by key block where chunk programs would leave most of the GPU
+    idle (a few requests), or not at all where requests alone fill it (`decode_programs`): the same
+    bits every way. A decode step of a sliding layer may pass `slots` (`window_slots`: the window's
+    slots, translated once a step) instead of reading the table and `full_to_swa` per key. Every
+    launch setting depends on static shapes only, so it can be captured. No host sync. Returns `out`."""
     T, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
     bs = req_pool_indices.numel()
@@ -186,30 +200,32 @@ def unified_attention(
     chunk = chunk or key_chunk(max_context)
     assert chunk % block_n == 0, f"chunk {chunk} is not a multiple of the key block {block_n}"
     upcast, prec = dot_flags(q.dtype)
-    split = max_extend_len == 1
-    np_ = 1
-    part_acc = part_ml = out  # unused unless split
-    if split:
+    decode = max_extend_len == 1
+    if decode:
         assert T == bs, "a decode batch has one query per request"
         nc = triton.cdiv(max_context, chunk)
         if window is not None:
             nc = min(nc, (window - 1) // chunk + 2)  # chunks a window can overlap
-        if per_block is None:  # chunk programs would leave most SMs idle; partials stay few
-            per_block = bs * HKV * nc < num_sms(q.device) and nc * chunk // block_n <= MAX_BLOCK_PARTIALS
-        np_ = nc * (chunk // block_n if per_block else 1)
+        programs = programs or decode_programs(bs * HKV, nc, chunk // block_n, num_sms(q.device))
+        assert programs in PROGRAMS, programs
+    split = decode and programs != "request"  # partials, then the merge
+    np_ = 1
+    part_acc = part_ml = out  # unused unless split
+    if split:
+        np_ = nc * (chunk // block_n if programs == "block" else 1)
         part_acc = torch.empty(T, H, np_, DV, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, H, np_, 2, dtype=torch.float32, device=q.device)
     if launch is not None:
         block_m, warps, stages = launch
-    elif split:
-        block_m, warps, stages = decode_config(group_p, window is not None)
+    elif decode:
+        block_m, warps, stages = decode_config(group_p, window is not None, programs)
     else:
         block_m = BLOCK_M
     grid = (bs, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
-                 UNIT=block_n if per_block else chunk, NP=np_, H=H, HAS_WINDOW=window is not None,
-                 HAS_SINKS=sinks is not None)
-    has_slots = split and slots is not None
+                 UNIT=block_n if split and programs == "block" else chunk, NP=np_, H=H,
+                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None)
+    has_slots = decode and slots is not None
     if has_slots:
         assert window is not None and slots.dtype == torch.int32, "slots: int32, for a sliding layer"
         assert slots.shape[0] >= bs and slots.shape[1] >= window and slots.stride(1) == 1, slots.shape
@@ -222,14 +238,14 @@ def unified_attention(
         req_to_token.stride(0), slots.stride(0) if has_slots else 0, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split, HAS_MAP=full_to_swa is not None,
-        HAS_SLOTS=has_slots,
+        DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split,
+        HAS_MAP=full_to_swa is not None and not has_slots, HAS_SLOTS=has_slots,
         HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), **const,
         num_warps=warps, num_stages=stages,
     )
     if split:
         # Per-block partials are many for a few requests: their fold is split over value columns.
-        mdv = max(16, bdv // 4) if per_block else bdv
+        mdv = max(16, bdv // 4) if programs == "block" else bdv
         _merge_kernel[(bs, HKV, bdv // mdv)](out, part_acc, part_ml, seq_lens, sinks_arg, window_arg,
                                              out.stride(0), out.stride(1), BLOCK_DV=mdv, **const,
                                              num_warps=warps)

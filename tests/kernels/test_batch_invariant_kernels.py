@@ -15,7 +15,7 @@ from kernel_ref import attend_ref, make_pools, tolerances, window_mask
 from swaserve.kernels import bi_matmul
 from swaserve.kernels.bi_matmul import Tiling, bi_linear, tiling
 from swaserve.kernels.index_builders import window_slots
-from swaserve.kernels.unified_attention import unified_attention
+from swaserve.kernels.unified_attention import PROGRAMS, decode_programs, unified_attention
 
 
 # ---- bi_linear -------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def test_fused_greedy_head_matches_bi_linear_logits(device, seed):
 # ---- unified_attention -----------------------------------------------------------------------------
 
 def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None, chunk=None, which=None,
-            per_block=None, slots=False):
+            programs=None, slots=False):
     """reqs: (prefix, new) per request (`which`: their indices among the pools' requests, default
     0..); runs the kernel with every K/V already in the pools (`slots`: a decode step of a sliding
     layer reading its window's slots from `window_slots`)."""
@@ -110,7 +110,7 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125,
                       max_extend_len=max(n for _, n in reqs), window=window,
                       full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks,
-                      chunk=chunk, per_block=per_block,
+                      chunk=chunk, programs=programs,
                       slots=window_slots(pools.req_to_token, rows, seq, pools.full_to_swa, window) if slots
                       else None)
     return q, out
@@ -127,8 +127,8 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
                                              seed):
     """`chunk` 64: keys reduced in chunks of 64 positions, one key block (decode: split over programs
     and merged), contexts of up to 4 chunks; 128: two blocks a chunk; None: the engine's (one chunk
-    here). Decode rows run with programs per chunk and per key block, sliding layers also reading
-    their window's slots from one table (`window_slots`): the same bits."""
+    here). Decode rows run with programs per chunk, per key block and per request, sliding layers
+    also reading their window's slots from one table (`window_slots`): the same bits."""
     g = torch.Generator().manual_seed(seed)
     # (prefix, new): decode rows (new = 1) and extend rows, positions W-1, W, W+1, 2W+3 and past 64.
     reqs = [(0, 21), (5, 7), (7, 1), (8, 1), (19, 1), (60, 20), (100, 1), (190, 1), (120, 70)]
@@ -141,11 +141,12 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
     which = [b for b, (_, n) in enumerate(reqs) if n == 1]  # the decode rows alone: split and merged
     dec = [reqs[b] for b in which]
     q_dec, out_dec = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
-                             device, softcap, sinks, chunk, which, per_block=False)
-    for per_block, slots in ((True, False),) + (((False, True), (True, True)) if window else ()):
-        _, other = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
-                           device, softcap, sinks, chunk, which, per_block=per_block, slots=slots)
-        assert torch.equal(other, out_dec), (per_block, slots)
+                             device, softcap, sinks, chunk, which, programs="chunk")
+    for programs in ("block", "chunk", "request"):
+        for slots in (False, True) if window else (False,):
+            _, other = _attend(pools, dec, H, Hkv, window, dtype, torch.Generator().manual_seed(seed + 1),
+                               device, softcap, sinks, chunk, which, programs=programs, slots=slots)
+            assert torch.equal(other, out_dec), (programs, slots)
     for i, b in enumerate(which):
         p = reqs[b][0]
         pos = torch.arange(p + 1)
@@ -209,10 +210,9 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
     pools = make_pools(lens, Hkv, D, D, dtype, g, device, finite_dummy=True)
     q_all = torch.randn(N, H, D, generator=g).to(dtype).to(device)
 
-    def run(reqs_order: list[tuple[int, int, int]], per_block: bool | None = None
-            ) -> dict[int, torch.Tensor]:
-        """reqs_order: (request, prefix, new); returns request 0's rows by position (`per_block`: decode
-        programs by key block, not chunk)."""
+    def run(reqs_order: list[tuple[int, int, int]], programs: str | None = None) -> dict[int, torch.Tensor]:
+        """reqs_order: (request, prefix, new); returns request 0's rows by position (`programs`: a
+        decode step's, by key block, chunk or request)."""
         qs, q_other = [], torch.randn(sum(n for _, _, n in reqs_order), H, D, generator=g).to(dtype).to(device)
         off = 0
         for r, p, n in reqs_order:
@@ -225,7 +225,7 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
         out = torch.empty_like(q)
         unified_attention(q, out, pools.k_full, pools.v_full, pools.req_to_token, rows, seq, qo, 0.125,
                           max_extend_len=max(n for _, _, n in reqs_order), window=window, chunk=chunk,
-                          per_block=per_block)
+                          programs=programs)
         res, off = {}, 0
         for r, p, n in reqs_order:
             if r == 0:
@@ -237,8 +237,8 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
     variants = [
         run([(0, 0, 33), (1, 20, 30)]) | run([(2, 3, 6), (0, 33, N - 33)]),  # two chunks, other traffic
         run([(0, 0, 64)]) | run([(1, 0, 1), (0, 64, N - 64)]),  # a prefill edge on a key-chunk edge
-        {**run([(0, 0, 120)]),  # then decode, programs by key block and by chunk in turn
-         **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)], per_block=p % 2 == 0)[p] for p in range(120, N)}},
+        {**run([(0, 0, 120)]),  # then decode, programs by key block, chunk and request in turn
+         **{p: run([(1, 49, 1), (0, p, 1), (2, 8, 1)], programs=PROGRAMS[p % 3])[p] for p in range(120, N)}},
     ]
     for v in variants:
         assert sorted(v) == list(range(N))
@@ -250,7 +250,8 @@ def test_unified_attention_row_is_invariant_to_chunking_and_batch(dtype, window,
 def test_unified_decode_padded_rows_read_slot_0_and_leave_live_rows_alone(window, device, seed):
     """DESIGN.md §4 for the split decode path: padded rows of a graph batch (table row 0, seq_len 1)
     read reserved slot 0 and give finite values, and the live rows beside them (contexts of several
-    128-key chunks of two key blocks, split over programs by chunk or by key block and merged) keep
+    128-key chunks of two key blocks, split over programs by chunk or by key block and merged, or one
+    program per request) keep
     the bits they have without padding. With a window also in the SWA pool through the step's window
     slot table (`window_slots`), as the engine's sliding layers read it: a padded row's table holds
     SWA slot 0."""
@@ -261,7 +262,7 @@ def test_unified_decode_padded_rows_read_slot_0_and_leave_live_rows_alone(window
     pools = make_pools(lens, Hkv, D, D, torch.float32, g, device, finite_dummy=True, swa_from=swa_from)
     q = torch.randn(len(lens) + 2, H, D, generator=g).to(device)
 
-    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor, per_block: bool,
+    def decode(rows: torch.Tensor, seq: list[int], q_rows: torch.Tensor, programs: str,
                slots: bool) -> torch.Tensor:
         out = torch.full_like(q_rows, float("nan"))
         qo = torch.arange(len(seq) + 1, dtype=torch.int32, device=device)
@@ -272,25 +273,25 @@ def test_unified_decode_padded_rows_read_slot_0_and_leave_live_rows_alone(window
             swa = dict(full_to_swa=pools.full_to_swa,
                        slots=window_slots(pools.req_to_token, rows, seq_t, pools.full_to_swa, window))
         unified_attention(q_rows, out, k, v, pools.req_to_token, rows, seq_t, qo, 0.125, max_extend_len=1,
-                          window=window, chunk=128, per_block=per_block, **swa)
+                          window=window, chunk=128, programs=programs, **swa)
         return out
 
     pad_row = torch.zeros(1, dtype=pools.rows.dtype, device=device)
     rows = torch.cat([pools.rows[:2], pad_row, pools.rows[2:4], pad_row])
     for slots in (False, True) if window is not None else (False,):
-        live = decode(pools.rows[: len(lens)], lens, q[: len(lens)], False, slots)
-        for per_block in (False, True):
+        live = decode(pools.rows[: len(lens)], lens, q[: len(lens)], "chunk", slots)
+        for programs in PROGRAMS:
             padded = decode(rows, [lens[0], lens[1], 1, lens[2], lens[3], 1],
-                            torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]), per_block, slots)
-            assert torch.equal(padded[[0, 1, 3, 4]], live), (per_block, slots)
-            assert torch.isfinite(padded[[2, 5]]).all(), (per_block, slots)
+                            torch.cat([q[:2], q[4:5], q[2:4], q[5:6]]), programs, slots)
+            assert torch.equal(padded[[0, 1, 3, 4]], live), (programs, slots)
+            assert torch.isfinite(padded[[2, 5]]).all(), (programs, slots)
 
 
 @pytest.mark.parametrize("window", [100, None])
 def test_unified_gemma_heads_decode_match_extend(window, device, seed):
     """Gemma 3's head (d256, 4 query heads a kv head, bf16), whose extend programs take their own
     launch (8 warps, 3 stages): a prompt's last queries prefilled in one extend give the bits that
-    decode steps give them, with programs per key block and per chunk."""
+    decode steps give them, with programs per key block, per chunk and per request."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D, N, last = 4, 1, 256, 200, 6
     pools = make_pools([N], Hkv, D, D, torch.bfloat16, g, device, finite_dummy=True)
@@ -302,26 +303,28 @@ def test_unified_gemma_heads_decode_match_extend(window, device, seed):
                       window=window, chunk=128)
     qo1 = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for p in range(N - last, N):
-        for per_block in (True, False):
+        for programs in PROGRAMS:
             dec = torch.empty_like(q[:1])
             seq = torch.tensor([p + 1], dtype=torch.int32, device=device)
             unified_attention(q[p: p + 1], dec, pools.k_full, pools.v_full, pools.req_to_token,
                               pools.rows[:1], seq, qo1, 0.0625, max_extend_len=1, window=window, chunk=128,
-                              per_block=per_block)
-            assert torch.equal(dec[0], out[p]), (p, per_block)
+                              programs=programs)
+            assert torch.equal(dec[0], out[p]), (p, programs)
 
 
-def test_unified_decode_reads_the_window_slot_table(device, seed):
-    """A sliding layer's decode step given `window_slots` reads its keys there and nowhere else:
-    the right table gives the bits of the table + full_to_swa path, another request's table does
-    not."""
+@pytest.mark.parametrize("programs", PROGRAMS)
+def test_unified_decode_reads_the_window_slot_table(programs, device, seed):
+    """A sliding layer's decode step given `window_slots` reads its keys there and nowhere else, with
+    programs per key block, chunk or request: the right table gives the bits of the table +
+    full_to_swa path, another request's table does not."""
     g = torch.Generator().manual_seed(seed)
     window, reqs = 40, [(130, 1), (97, 1)]
     pools = make_pools([p + n for p, n in reqs], 1, 32, 32, torch.float32, g, device,
                        swa_from=[max(0, p - window + 1) for p, _ in reqs])
-    q, plain = _attend(pools, reqs, 4, 1, window, torch.float32, torch.Generator().manual_seed(seed), device)
+    q, plain = _attend(pools, reqs, 4, 1, window, torch.float32, torch.Generator().manual_seed(seed), device,
+                       programs=programs)
     _, table = _attend(pools, reqs, 4, 1, window, torch.float32, torch.Generator().manual_seed(seed), device,
-                       slots=True)
+                       programs=programs, slots=True)
     assert torch.equal(table, plain)
     seq = torch.tensor([p + n for p, n in reqs], dtype=torch.int32, device=device)
     swapped = window_slots(pools.req_to_token, pools.rows[:2], seq, pools.full_to_swa, window).flip(0)
@@ -329,5 +332,17 @@ def test_unified_decode_reads_the_window_slot_table(device, seed):
     wrong = torch.empty_like(plain)
     unified_attention(q, wrong, pools.k_swa, pools.v_swa, pools.req_to_token, pools.rows[:2], seq,
                       torch.arange(3, dtype=torch.int32, device=device), 0.125, max_extend_len=1,
-                      window=window, full_to_swa=pools.full_to_swa, slots=swapped)
+                      window=window, full_to_swa=pools.full_to_swa, slots=swapped, programs=programs)
     assert not torch.allclose(wrong, plain)
+
+
+def test_decode_programs_follow_the_batch():
+    """A decode step's programs from static shapes only (132 SMs): per key block for a few requests
+    (unless their partials would be too many), per request once requests fill the SMs 1.5 times, per
+    chunk between."""
+    assert decode_programs(pairs=1, chunks=16, blocks_per_chunk=4, sms=132) == "block"
+    assert decode_programs(pairs=1, chunks=32, blocks_per_chunk=64, sms=132) == "chunk"  # 2048 partials
+    assert decode_programs(pairs=64, chunks=16, blocks_per_chunk=4, sms=132) == "chunk"
+    assert decode_programs(pairs=197, chunks=16, blocks_per_chunk=4, sms=132) == "chunk"
+    assert decode_programs(pairs=198, chunks=3, blocks_per_chunk=4, sms=132) == "request"
+    assert decode_programs(pairs=1024, chunks=16, blocks_per_chunk=4, sms=132) == "request"

@@ -135,9 +135,11 @@ def test_mode_agrees_with_the_default_path(gemma3_dir):
 def test_triton_backend_probes_identical(gemma3_dir, monkeypatch):
     """The unified Triton kernel (CPU interpreter) in the engine: greedy probes alone vs batched, the
     decode steps' sliding layers reading the per-step window slot table; the same tokens as the
-    torch-native backend of the mode."""
+    torch-native backend of the mode. Then each decode attention call takes a random program layout
+    (per key block, chunk or request) instead of the rule's: the same tokens again."""
     pytest.importorskip("triton")
     import swaserve.attention.triton as tb
+    import swaserve.kernels.unified_attention as ua
     import swaserve.runner.model_runner as mr
     from swaserve.kernels.index_builders import window_slots
 
@@ -149,3 +151,13 @@ def test_triton_backend_probes_identical(gemma3_dir, monkeypatch):
     assert tables and set(tables) == {8}, "decode steps did not build the window slot table"
     assert _loaded(gemma3_dir, torch.float32, True, False, 5, "mixed", 1) == alone
     assert {rid: tokens for rid, (tokens, _) in alone.items()} == {rid: t for rid, (t, _) in native.items()}
+    layouts, pick = [], random.Random(0)
+
+    def any_layout(*shapes) -> str:
+        layouts.append(pick.choice(ua.PROGRAMS))
+        return layouts[-1]
+
+    monkeypatch.setattr(ua, "decode_programs", any_layout)
+    assert _alone(gemma3_dir, torch.float32, True, False) == alone
+    assert _loaded(gemma3_dir, torch.float32, True, False, 5, "mixed", 1) == alone
+    assert set(layouts) == set(ua.PROGRAMS), layouts
