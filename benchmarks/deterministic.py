@@ -119,6 +119,16 @@ def profile_decode(engine, vocab: int, bs: int, ctx: int, rng: random.Random) ->
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=16) + "\n" + by_launch_shape(prof)
 
 
+def profile_offline(engine, vocab: int, n: int, rng: random.Random, max_context: int) -> str:
+    """Kernel time of an offline run of n requests (mostly prefill: where its throughput goes), by
+    kernel name (the GEMM's and attention's launch grids vary with the step's tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        offline_tok_s(engine, vocab, n, rng, max_context)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+
+
 def by_launch_shape(prof, top: int = 14) -> str:
     """The kernels again, split by grid (one GEMM kernel serves every projection; the grid tells them
     apart): calls, mean and total microseconds, from the profiler's trace."""
@@ -153,6 +163,10 @@ def run_cost(args, loaded, device, dtype) -> None:
             for bs in [int(b) for b in args.profile_bs.split(",")]:
                 print(f"--- top kernels, 8 decode steps at bs {bs}, deterministic={det}\n"
                       f"{profile_decode(engine, vocab, bs, args.ctx, rng)}")
+            if args.profile_offline:
+                n = args.profile_offline
+                print(f"--- top kernels, offline run of {n} requests, deterministic={det}\n"
+                      f"{profile_offline(engine, vocab, n, rng, args.max_context)}")
         print(json.dumps(point), flush=True)
         rows.append(point)
         del engine
@@ -219,6 +233,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=512, help="offline throughput requests")
     ap.add_argument("--profile", action="store_true", help="top GPU kernels of decode steps per mode")
     ap.add_argument("--profile-bs", default="64", help="batch sizes profiled with --profile")
+    ap.add_argument("--profile-offline", type=int, default=0, metavar="N",
+                    help="with --profile: also top kernels of an offline run of N requests per mode")
     ap.add_argument("--probes", action="store_true", help="run the probe check instead of the cost table")
     ap.add_argument("--num-probes", type=int, default=64)
     ap.add_argument("--others", type=int, default=100)

@@ -163,14 +163,14 @@ def main() -> None:
                 rows.append(r)
                 torch.cuda.empty_cache()
     print(f"\n{'shape':<5} {'bs':>4} {'layer':<8} {'default':>8} {'rule':>8} {'rule/def':>8} {'TB/s':>5}  "
-          f"{'chunks':>7} {'blocks':>7} {'2gather':>7} {'no_map':>7}  {'rule':<8} best")
+          f"{'block':>7} {'chunk':>7} {'request':>7} {'req s2':>7} {'2gather':>7} {'no_map':>7}  "
+          f"{'programs':<8} {'launch':<8} best")
     for r in rows:
+        p = r["programs"]
         print(f"{r['shape']:<5} {r['bs']:>4} {r['layer']:<8} {r['default_us']:>8} {r['rule_us']:>8} "
-              f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {r['programs']['chunks']:>7} "
-              f"{r['programs']['blocks']:>7} {r['programs'].get('two_gathers', '-'):>7} "
-              f"{r['programs'].get('no_map', '-'):>7}  {r['rule']:<8} "
-              f"{r['best']} {r['best_us']}")
-
+              f"{r['rule_us'] / r['default_us']:>7.2f}x {r['rule_tbps']:>5}  {p['block']:>7} {p['chunk']:>7} "
+              f"{p['request']:>7} {p['request_2_stages']:>7} {p.get('two_gathers', '-'):>7} "
+              f"{p.get('no_map', '-'):>7}  {p['rule']:<8} {r['rule']:<8} {r['best']} {r['best_us']}")
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,10 @@ __all__ = ["key_chunk", "unified_attention"]
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
 DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
 MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at most this many partials
-REQUEST_PROGRAM_WAVES = 1.5  # decode programs per (request, kv head) from this many per SM (measured, H100)
+# Decode programs per (request, kv head) from this many per SM: H100, Gemma 3 heads, 1,024-key contexts
+# (results/h100_unified_attention_sweep_request_programs_slots.log): chunk programs win at 128 pairs
+# (1-5%), request programs at 192 and more (3-11%), within 1-4% of the default kernel there.
+REQUEST_PROGRAM_WAVES = 1.25
 PROGRAMS = ("block", "chunk", "request")
 
 

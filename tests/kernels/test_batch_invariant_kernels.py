@@ -338,11 +338,11 @@ def test_unified_decode_reads_the_window_slot_table(programs, device, seed):
 
 def test_decode_programs_follow_the_batch():
     """A decode step's programs from static shapes only (132 SMs): per key block for a few requests
-    (unless their partials would be too many), per request once requests fill the SMs 1.5 times, per
+    (unless their partials would be too many), per request once requests fill the SMs 1.25 times, per
     chunk between."""
     assert decode_programs(pairs=1, chunks=16, blocks_per_chunk=4, sms=132) == "block"
     assert decode_programs(pairs=1, chunks=32, blocks_per_chunk=64, sms=132) == "chunk"  # 2048 partials
     assert decode_programs(pairs=64, chunks=16, blocks_per_chunk=4, sms=132) == "chunk"
-    assert decode_programs(pairs=197, chunks=16, blocks_per_chunk=4, sms=132) == "chunk"
-    assert decode_programs(pairs=198, chunks=3, blocks_per_chunk=4, sms=132) == "request"
+    assert decode_programs(pairs=164, chunks=16, blocks_per_chunk=4, sms=132) == "chunk"
+    assert decode_programs(pairs=165, chunks=3, blocks_per_chunk=4, sms=132) == "request"
     assert decode_programs(pairs=1024, chunks=16, blocks_per_chunk=4, sms=132) == "request"
