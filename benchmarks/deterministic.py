@@ -121,12 +121,12 @@ def profile_decode(engine, vocab: int, bs: int, ctx: int, rng: random.Random) ->
 
 def profile_offline(engine, vocab: int, n: int, rng: random.Random, max_context: int) -> str:
     """Kernel time of an offline run of n requests (mostly prefill: where its throughput goes), by
-    kernel name (the GEMM's and attention's launch grids vary with the step's tokens)."""
+    kernel name, then by launch grid (the 30 largest: a GEMM's grid follows the step's tokens)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         offline_tok_s(engine, vocab, n, rng, max_context)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20) + "\n" + by_launch_shape(prof, 30)
 
 
 def by_launch_shape(prof, top: int = 14) -> str:
