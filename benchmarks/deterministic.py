@@ -120,7 +120,7 @@ def profile_decode(engine, vocab: int, bs: int, ctx: int, rng: random.Random) ->
 
 
 def profile_offline(engine, vocab: int, n: int, rng: random.Random, max_context: int) -> str:
-    """Kernel time of an offline run of n requests (mostly prefill: where its throughput goes), by
+    """Kernel time of an offline run of n requests (where its throughput goes: prefill and decode), by
     kernel name, then by launch grid (the 30 largest: a GEMM's grid follows the step's tokens)."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -52,7 +52,10 @@ class TritonMetadata:
     qo_indptr: torch.Tensor | None = None  # [bs+1] int32, device (extend)
     prefix_lens: torch.Tensor | None = None  # [bs] int32, device (extend)
     max_extend_len: int = 0
-    slots: torch.Tensor | None = None  # [bs, window] int32, device: deterministic decode's window slots
+    # Deterministic mode: the leading one-token rows run as a decode (`qo_indptr`: the rows after them),
+    # their sliding layers reading `slots` ([num_decode, window] int32, device: each row's window).
+    slots: torch.Tensor | None = None
+    num_decode: int = 0
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -65,7 +68,8 @@ class TritonAttnBackend(AttentionBackend):
     `deterministic`: every step, decode or extend, runs `unified_attention`, which reads all keys
     through the request table (SWA layers via `full_to_swa`; a decode step's sliding layers via one
     `window_slots` table built per step) in position-aligned blocks: no key lists are built, and a
-    query's result depends on neither its batch nor its chunking.
+    query's result depends on neither its batch nor its chunking. A mixed step's decode rows run as
+    a decode of their own, its prefill chunks as an extend (the same bits either way).
     """
 
     fused_kv_store = True
@@ -185,20 +189,24 @@ class TritonAttnBackend(AttentionBackend):
 
     def _build_unified(self, batch: ForwardBatch, meta: TritonMetadata) -> None:
         """The unified kernel reads the table itself: it needs where each request's queries are, and
-        for a decode step the sliding layers' window slots (one table for all of them)."""
+        for decode rows the sliding layers' window slots (one table for all of them). A decode step
+        is all decode rows; so are a mixed step's leading one-token rows (its decodes): they run as a
+        decode of their own (a decode program streams a request's keys on a 16-row tile, where an
+        extend tile would carry 64 rows for its one token), the prefill chunks after them as an extend."""
         bs = batch.batch_size
-        if batch.is_decode:
-            meta.qo_indptr, meta.max_extend_len = self._arange[: bs + 1], 1
-            if self.window is not None and self.full_to_swa is not None:
-                # Sliding layers read their window here, not through the table then `full_to_swa`.
-                meta.slots = window_slots(self.req_to_token.req_to_token, batch.req_pool_indices,
-                                          batch.seq_lens, self.full_to_swa, self.window)
-        else:
-            assert batch.extend_seq_lens_cpu is not None
-            qo = torch.zeros(bs + 1, dtype=torch.int32)
-            qo[1:] = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32).cumsum(0)
+        lens = [1] * bs if batch.is_decode else batch.extend_seq_lens_cpu
+        assert lens is not None
+        nd = next((i for i, n in enumerate(lens) if n != 1), bs)
+        meta.num_decode = nd
+        if nd and self.window is not None and self.full_to_swa is not None:
+            # Sliding layers read their window here, not through the table then `full_to_swa`.
+            meta.slots = window_slots(self.req_to_token.req_to_token, batch.req_pool_indices[:nd],
+                                      batch.seq_lens[:nd], self.full_to_swa, self.window)
+        if nd < bs:
+            qo = torch.zeros(bs - nd + 1, dtype=torch.int32)
+            qo[1:] = torch.tensor(lens[nd:], dtype=torch.int32).cumsum(0)
             meta.qo_indptr = to_device(qo, self.device)
-            meta.max_extend_len = max(batch.extend_seq_lens_cpu)
+            meta.max_extend_len = max(lens[nd:])
         batch.attn_metadata = meta
 
     # ---- attention -----------------------------------------------------------------------------
@@ -220,13 +228,7 @@ class TritonAttnBackend(AttentionBackend):
         if not kv_stored:
             store_kv(k_buf, v_buf, locs, k, v)
         if self.deterministic:
-            out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
-            slots = meta.slots if in_swa and spec.sliding_window == self.window else None
-            return unified_attention(
-                q, out, k_buf, v_buf, self.req_to_token.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                meta.qo_indptr, spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
-                full_to_swa=self.full_to_swa if in_swa else None, logit_softcap=spec.logit_softcap or 0.0,
-                sinks=sinks, slots=slots)
+            return self._unified(q, k_buf, v_buf, spec, batch, in_swa, sinks)
         if (k is None or v is None) and not batch.is_decode:
             # The extend kernel reads new tokens' K/V from tensors: gather them back from the pool
             # (KV-shared layers, and layers whose stored V is not a slice of their projection).
@@ -250,6 +252,24 @@ class TritonAttnBackend(AttentionBackend):
             extend_attention(q, k, v, out, k_buf, v_buf, meta.qo_indptr, kl.indptr, kl.indices, meta.prefix_lens,
                              spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
                              logit_softcap=softcap, sinks=sinks, prefix_start=kl.start)
+        return out
+
+    def _unified(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, spec: AttentionSpec,
+                 batch: ForwardBatch, in_swa: bool, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Deterministic mode: the decode rows (`num_decode`, first) as a decode, the rest as an extend."""
+        meta: TritonMetadata = batch.attn_metadata
+        nd, bs = meta.num_decode, batch.batch_size
+        out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
+        kw = dict(window=spec.sliding_window, full_to_swa=self.full_to_swa if in_swa else None,
+                  logit_softcap=spec.logit_softcap or 0.0, sinks=sinks)
+        table, rows, seq = self.req_to_token.req_to_token, batch.req_pool_indices, batch.seq_lens
+        if nd:
+            slots = meta.slots if in_swa and spec.sliding_window == self.window else None
+            unified_attention(q[:nd], out[:nd], k_buf, v_buf, table, rows[:nd], seq[:nd],
+                              self._arange[: nd + 1], spec.scaling, max_extend_len=1, slots=slots, **kw)
+        if nd < bs:
+            unified_attention(q[nd:], out[nd:], k_buf, v_buf, table, rows[nd:], seq[nd:], meta.qo_indptr,
+                              spec.scaling, max_extend_len=meta.max_extend_len, **kw)
         return out
 
     def _num_splits(self, bs: int, spec: AttentionSpec, windowed: bool) -> int:
