@@ -39,10 +39,10 @@ REQUEST_PROGRAM_WAVES = 1.25
 PROGRAMS = ("block", "chunk", "request")
 
 
-@jit_per_batch("stride_qt", "stride_ot")
+@jit_per_batch("stride_qt", "stride_ot", "row0")
 def _unified_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, slots, sinks,
-    part_acc, part_ml, qk_scale, softcap, window,
+    part_acc, part_ml, qk_scale, softcap, window, row0,
     stride_r2t, stride_slots, stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt,
     stride_vh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -57,8 +57,8 @@ def _unified_kernel(
     ([T, H, NP, DV] / [T, H, NP, 2] float32) for `_merge_kernel`. Otherwise program (b, kvh, tile)
     folds every chunk of its tile and writes `out` (extend, and a decode step's request programs).
     `HAS_SLOTS` (decode, sliding layers): request b's keys lo.. are read from `slots[b]`, its window's
-    SWA slots, one gather instead of two (`HAS_MAP` is then off)."""
-    b = tl.program_id(0)
+    SWA slots, one gather instead of two (`HAS_MAP` is then off). Program b serves request row0 + b."""
+    b = tl.program_id(0) + row0
     kvh = tl.program_id(1)
     TOKS: tl.constexpr = BLOCK_M // GROUP_P
     if SPLIT:
@@ -175,6 +175,7 @@ def unified_attention(
     programs: str | None = None,  # decode programs per "block", "chunk" or "request" (default: by batch)
     slots: torch.Tensor | None = None,  # [bs, >= window] int32: `window_slots` (decode, sliding layers)
     launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a program (sweeps)
+    first_row: int = 0,  # extend: requests before it are another launch's (a mixed step's decode rows)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
@@ -182,8 +183,11 @@ def unified_attention(
     its keys over programs by chunk, by key block where chunk programs would leave most of the GPU
     idle (a few requests), or not at all where requests alone fill it (`decode_programs`): the same
     bits every way. A decode step of a sliding layer may pass `slots` (`window_slots`: the window's
-    slots, translated once a step) instead of reading the table and `full_to_swa` per key. Every
-    launch setting depends on static shapes only, so it can be captured. No host sync. Returns `out`."""
+    slots, translated once a step) instead of reading the table and `full_to_swa` per key. An extend
+    may start at request `first_row` (the rows before it being another launch's: a mixed step's
+    decodes) with every tensor whole, so a split compiles nothing new (sliced pointers would change
+    their alignment, a specialisation). Every launch setting depends on static shapes only, so it can
+    be captured. No host sync. Returns `out`."""
     T, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
     bs = req_pool_indices.numel()
@@ -192,7 +196,7 @@ def unified_attention(
         assert t.stride(2) == 1, "head dims must be contiguous"
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    if T == 0 or bs == 0 or max_extend_len <= 0:
+    if T == 0 or bs <= first_row or max_extend_len <= 0:
         return out
     group = H // HKV
     group_p = triton.next_power_of_2(group)
@@ -205,7 +209,7 @@ def unified_attention(
     upcast, prec = dot_flags(q.dtype)
     decode = max_extend_len == 1
     if decode:
-        assert T == bs, "a decode batch has one query per request"
+        assert T == bs and first_row == 0, "a decode batch has one query per request, all of them here"
         nc = triton.cdiv(max_context, chunk)
         if window is not None:
             nc = min(nc, (window - 1) // chunk + 2)  # chunks a window can overlap
@@ -224,7 +228,7 @@ def unified_attention(
         block_m, warps, stages = decode_config(group_p, window is not None, programs)
     else:
         block_m = BLOCK_M
-    grid = (bs, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
+    grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if split and programs == "block" else chunk, NP=np_, H=H,
                  HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None)
@@ -237,7 +241,7 @@ def unified_attention(
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr,
         full_to_swa if full_to_swa is not None else seq_lens, slots if has_slots else seq_lens, sinks_arg,
         part_acc, part_ml,
-        scaling, logit_softcap if logit_softcap else 1.0, window_arg,
+        scaling, logit_softcap if logit_softcap else 1.0, window_arg, first_row,
         req_to_token.stride(0), slots.stride(0) if has_slots else 0, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),

@@ -163,6 +163,23 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
         off += n
 
 
+def test_unified_extend_from_a_first_row_leaves_the_rows_before_it(device, seed):
+    """A mixed step's split: an extend launched from request `first_row` over whole tensors writes the
+    rows of the requests from there, with the bits the whole batch's extend gives them, and leaves
+    the rows before it (the decode launch's) alone."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = [(7, 1), (30, 1), (5, 1), (0, 21), (60, 20), (3, 9)]
+    pools = make_pools([p + n for p, n in reqs], 2, 32, 32, torch.float32, g, device)
+    q, whole = _attend(pools, reqs, 4, 2, None, torch.float32, g, device)
+    out = torch.full_like(whole, float("nan"))
+    qo = torch.tensor([0] + [n for _, n in reqs], device=device).cumsum(0).int()
+    seq = torch.tensor([p + n for p, n in reqs], dtype=torch.int32, device=device)
+    unified_attention(q, out, pools.k_full, pools.v_full, pools.req_to_token, pools.rows[: len(reqs)], seq, qo,
+                      0.125, max_extend_len=21, first_row=3)
+    assert torch.isnan(out[:3]).all()
+    assert torch.equal(out[3:], whole[3:])
+
+
 # The deliberately wrong call at the end reads NaN rows: the interpreter's max warns on all-NaN rows.
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
 def test_unified_attention_reads_new_tokens_in_swa_space(device, seed):

@@ -136,7 +136,8 @@ def test_triton_backend_probes_identical(gemma3_dir, monkeypatch):
     """The unified Triton kernel (CPU interpreter) in the engine: greedy probes alone vs batched, the
     decode steps' sliding layers reading the per-step window slot table; the same tokens as the
     torch-native backend of the mode. Then each decode attention call takes a random program layout
-    (per key block, chunk or request) instead of the rule's: the same tokens again."""
+    (per key block, chunk or request) instead of the rule's, and every mixed step runs its decode rows
+    as a decode of their own: the same tokens again."""
     pytest.importorskip("triton")
     import swaserve.attention.triton as tb
     import swaserve.kernels.unified_attention as ua
@@ -158,6 +159,11 @@ def test_triton_backend_probes_identical(gemma3_dir, monkeypatch):
         return layouts[-1]
 
     monkeypatch.setattr(ua, "decode_programs", any_layout)
+    monkeypatch.setattr(tb, "num_sms", lambda device: 1)  # any number of decode rows fills "the SMs"
+    first_rows, attend = [], tb.unified_attention
+    monkeypatch.setattr(tb, "unified_attention",
+                        lambda *a, **kw: first_rows.append(kw.get("first_row", 0)) or attend(*a, **kw))
     assert _alone(gemma3_dir, torch.float32, True, False) == alone
     assert _loaded(gemma3_dir, torch.float32, True, False, 5, "mixed", 1) == alone
     assert set(layouts) == set(ua.PROGRAMS), layouts
+    assert any(first_rows), "no mixed step ran its decode rows apart"
