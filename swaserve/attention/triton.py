@@ -197,11 +197,14 @@ class TritonAttnBackend(AttentionBackend):
         rows: 854 us a layer). Fewer stay in the extend: two more launches a layer would cost the host
         more than they save the GPU."""
         bs = batch.batch_size
-        lens = [1] * bs if batch.is_decode else batch.extend_seq_lens_cpu
-        assert lens is not None
-        nd = next((i for i, n in enumerate(lens) if n != 1), bs)
-        if nd < bs and nd * self._kv_heads < self._num_sms:
-            nd = 0
+        lens = batch.extend_seq_lens_cpu
+        if batch.is_decode:
+            nd = bs
+        else:
+            assert lens is not None
+            nd = next((i for i, n in enumerate(lens) if n != 1), bs)
+            if nd < bs and nd * self._kv_heads < self._num_sms:
+                nd = 0
         meta.num_decode = nd
         if nd and self.window is not None and self.full_to_swa is not None:
             # Sliding layers read their window here, not through the table then `full_to_swa`.
