@@ -9,7 +9,8 @@
 # batch-invariant kernels natively), bi_gemm (benchmarks/bi_gemm_sweep.py), ua_sweep
 # (benchmarks/unified_attention_sweep.py; UA_ARGS adds options, e.g. "--batch-sizes 64,256"), det_probes_{1b,4b,g4} (64
 # probes alone vs among 100 others, mode on and off), det_cost_1b / det_cost_4b (decode step and offline
-# throughput off vs on, top kernels; DET_ARGS adds options, e.g. "--profile-bs 1,256") and det_serve (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
+# throughput off vs on, top kernels; DET_ARGS adds options, e.g. "--profile-bs 1,256"), det_cost_g4 (the same for
+# the Gemma 4 MoE shape, no profile; DET_ARGS replaces its batch sizes) and det_serve / det_serve_4b (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
@@ -113,10 +114,15 @@ for step in "${steps[@]}"; do
             run "$step" 400 python3 benchmarks/deterministic.py --model "$shape" --probes --control ;;
         det_cost_1b|det_cost_4b)
             run "$step" 400 python3 benchmarks/deterministic.py --model "${step#det_cost_}" --profile ${DET_ARGS:-} ;;
-        det_serve)
-            d=$(model_dir 1b)
-            run det_serve 300 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
-                --num-requests 200 --concurrency 128 --window 512 --max-tokens 256 -- --max-running-requests 128 \
+        det_cost_g4)  # the Gemma 4 MoE shape: batches its KV budget holds beside 52 GB of weights
+            run det_cost_g4 400 python3 benchmarks/deterministic.py --model gemma4-26b-a4b \
+                ${DET_ARGS:---batch-sizes 1,32,64 --requests 256} ;;
+        det_serve|det_serve_4b)
+            shape=1b window=512
+            [ "$step" = det_serve_4b ] && shape=4b window=1024
+            d=$(model_dir $shape)
+            run "$step" 300 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
+                --num-requests 200 --concurrency 128 --window $window --max-tokens 256 -- --max-running-requests 128 \
                 --enable-deterministic-inference ;;
         stress_1b)
             d=$(model_dir 1b)
