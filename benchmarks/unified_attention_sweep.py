@@ -27,7 +27,8 @@ from swaserve.kernels import decode_attention, extend_attention, num_kv_splits_f
 from swaserve.kernels.common import num_sms  # noqa: E402
 from swaserve.kernels.index_builders import window_slots  # noqa: E402
 from swaserve.kernels.unified_attention import (  # noqa: E402
-    BLOCK_M, PROGRAMS, decode_config, decode_programs, key_chunk, unified_attention, unified_config,
+    BLOCK_M, PROGRAMS, decode_chunks, decode_config, decode_programs, key_chunk, unified_attention,
+    unified_config,
 )
 
 SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256)}  # heads, kv heads, head dim
@@ -81,10 +82,8 @@ def case(shape: str, bs: int, window: int | None) -> dict:
     # The rule's launch with each program layout forced (the default picks by batch), and request
     # programs on two stages.
     group_p, chunk = triton.next_power_of_2(H // HKV), key_chunk(MAX_CONTEXT)
-    chunks = triton.cdiv(MAX_CONTEXT, chunk)
-    if window:
-        chunks = min(chunks, (window - 1) // chunk + 2)
-    rule_programs = decode_programs(bs * HKV, chunks, chunk // unified_config(D, 2)[0], num_sms(q.device))
+    rule_programs = decode_programs(bs * HKV, decode_chunks(MAX_CONTEXT, chunk, window),
+                                    chunk // unified_config(D, 2)[0], num_sms(q.device))
     programs = {p: round(unified(decode_config(group_p, window is not None, p), p), 1) for p in PROGRAMS}
     programs["request_2_stages"] = round(unified((decode_config(group_p, False)[0], 4, 2), "request"), 1)
     programs["rule"] = rule_programs

@@ -144,6 +144,12 @@ def decode_config(group_p: int, sliding: bool, programs: str = "chunk") -> tuple
     return max(DECODE_BLOCK_M, group_p), 4, 3 if sliding or programs == "request" else 2
 
 
+def decode_chunks(max_context: int, chunk: int, window: int | None) -> int:
+    """Key chunks a decode query can overlap: all of `max_context`'s, or as many as a window spans."""
+    nc = triton.cdiv(max_context, chunk)
+    return nc if window is None else min(nc, (window - 1) // chunk + 2)
+
+
 def decode_programs(pairs: int, chunks: int, blocks_per_chunk: int, sms: int) -> str:
     """How a decode step spreads `pairs` (request, kv head) queries over programs, from static
     shapes only: one program per key block where chunk programs would leave most SMs idle (a few
@@ -210,9 +216,7 @@ def unified_attention(
     decode = max_extend_len == 1
     if decode:
         assert T == bs and first_row == 0, "a decode batch has one query per request, all of them here"
-        nc = triton.cdiv(max_context, chunk)
-        if window is not None:
-            nc = min(nc, (window - 1) // chunk + 2)  # chunks a window can overlap
+        nc = decode_chunks(max_context, chunk, window)
         programs = programs or decode_programs(bs * HKV, nc, chunk // block_n, num_sms(q.device))
         assert programs in PROGRAMS, programs
     split = decode and programs != "request"  # partials, then the merge
