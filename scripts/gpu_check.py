@@ -1,0 +1,293 @@
+"""The GPU machine's one command (`bash scripts/gpu_check.sh` wraps it): every GPU test and the quick
+benchmarks in one call, sharded over all visible GPUs and run in parallel processes.
+
+Test steps are split into jobs (a test file, or a slice of a long one) that a pool of pytest processes
+takes longest-first; each process sees one GPU (`CUDA_VISIBLE_DEVICES`) and compiles its own Triton
+kernels, so compile-bound kernel tests and GPU-bound model tests overlap. Tests that need several GPUs
+run as one job that sees them all, once the pool has drained. Benchmarks run last, alone, so their
+timings are not shared with anything. Logs go to $OUT (one file per step, the limit of what comes back
+from the device machine); the last lines printed are the summary table with pass/fail counts per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+# Opt-in fast paths: graph padding must stay bit-identical with all of them on.
+FAST_PATHS = {"SWASERVE_SKINNY_GEMM": "1", "SWASERVE_PDL": "1", "SWASERVE_FUSED_SPLIT_COMBINE": "1"}
+# Measured seconds per job from the last run (`$OUT/durations.json`, copied here), to start the longest
+# first; a job not in it is estimated from its test count.
+DURATIONS = ROOT / "scripts" / "gpu_check_durations.json"
+# Files whose tests hold a large model (fp32 real-shape cuts next to HF's copy): one at a time per GPU.
+HEAVY = ("test_gemma4_vs_hf.py", "test_mimo_v2_flash_vs_hf.py", "test_gpt_oss_vs_hf.py", "test_gemma3_1b_vs_hf.py")
+
+
+@dataclass
+class Step:
+    name: str
+    paths: list[str]
+    marker: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    chunk: int = 24  # tests per job when a file has more
+    gpus: int = 1  # GPUs one job of this step needs
+
+
+@dataclass
+class Job:
+    step: Step
+    ids: list[str]  # pytest node ids (or one file path)
+    key: str
+    estimate: float
+    heavy: bool
+    result: dict = field(default_factory=dict)
+
+
+STEPS = [
+    Step("a_kernel_tests", ["tests/kernels"], env={"SWASERVE_KERNEL_TESTS_ON_GPU": "1"}, chunk=16),
+    Step("b_gpu_tests", ["tests/gpu", "tests/unit/test_sampler.py"], marker="gpu and not multi_gpu"),
+    Step("c_fast_paths", ["tests/gpu/test_cuda_graph_padding.py"], marker="gpu", env=FAST_PATHS),
+    Step("d_multi_gpu", ["tests/gpu"], marker="multi_gpu", gpus=2),
+]
+
+
+def pythonpath() -> str:
+    """The repo first, then whatever the caller set (e.g. carried wheels in /tmp/site)."""
+    return os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
+def visible_gpus() -> list[str]:
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def collect(step: Step) -> list[str]:
+    cmd = [*PYTEST, "--collect-only", *(["-m", step.marker] if step.marker else []), *step.paths]
+    env = {**os.environ, **step.env}
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    ids = [line.strip() for line in out.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if out.returncode not in (0, 5):
+        print(f"   collection of {step.name} failed (rc={out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    return ids
+
+
+def make_jobs(step: Step, ids: list[str], known: dict[str, float]) -> list[Job]:
+    by_file: dict[str, list[str]] = {}
+    for i in ids:
+        by_file.setdefault(i.split("::")[0], []).append(i)
+    jobs = []
+    for path, tests in by_file.items():
+        parts = [tests[i:i + step.chunk] for i in range(0, len(tests), step.chunk)]
+        for n, part in enumerate(parts):
+            key = f"{step.name}:{path}" + (f"#{n}" if len(parts) > 1 else "")
+            whole = len(parts) == 1 and len(part) == len(tests)
+            jobs.append(Job(step, [path] if whole and not step.marker else part, key,
+                            known.get(key, 2.0 * len(part)), Path(path).name in HEAVY))
+    return jobs
+
+
+def run_job(job: Job, gpus: list[str], out: Path, deadline: float) -> None:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job.key)
+    xml = out / "junit" / f"{safe}.xml"
+    log = out / "jobs" / f"{safe}.log"
+    marker = ["-m", job.step.marker] if job.step.marker else []
+    env = {**os.environ, **job.step.env, "CUDA_VISIBLE_DEVICES": ",".join(gpus), "PYTHONPATH": pythonpath()}
+    start = time.time()
+    with open(log, "w") as f:
+        p = subprocess.Popen([*PYTEST, f"--junitxml={xml}", *marker, *job.ids], cwd=ROOT, env=env,
+                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            p.wait()
+            rc = "timeout"
+    job.result = {"rc": rc, "seconds": round(time.time() - start, 1), "gpus": gpus, **junit_counts(xml)}
+    if rc != 0 and not job.result["failed"] and not job.result["errors"]:
+        job.result["errors"] = 1  # a crash or timeout that left no test failure behind still fails the step
+
+
+def junit_counts(xml: Path) -> dict[str, int]:
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    try:
+        suites = ET.parse(xml).getroot().iter("testsuite")
+    except (OSError, ET.ParseError):
+        return counts
+    for s in suites:
+        tests, f, e, sk = (int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+        counts["failed"] += f
+        counts["errors"] += e
+        counts["skipped"] += sk
+        counts["passed"] += tests - f - e - sk
+    return counts
+
+
+class Pool:
+    """Runs jobs on per-GPU slots: `slots` jobs at once on a GPU, of which at most one heavy."""
+
+    def __init__(self, gpus: list[str], slots: int):
+        self.free = {g: slots for g in gpus}
+        self.heavy = {g: False for g in gpus}
+        self.cv = threading.Condition()
+
+    def acquire(self, job: Job) -> str:
+        with self.cv:
+            while True:
+                ok = [g for g, n in self.free.items() if n > 0 and not (job.heavy and self.heavy[g])]
+                if ok:
+                    g = max(ok, key=lambda x: self.free[x])
+                    self.free[g] -= 1
+                    self.heavy[g] |= job.heavy
+                    return g
+                self.cv.wait()
+
+    def release(self, g: str, job: Job) -> None:
+        with self.cv:
+            self.free[g] += 1
+            if job.heavy:
+                self.heavy[g] = False
+            self.cv.notify_all()
+
+
+def run_pool(jobs: list[Job], gpus: list[str], slots: int, out: Path, deadline: float) -> None:
+    pool, threads = Pool(gpus, slots), []
+    for job in sorted(jobs, key=lambda j: -j.estimate):
+        g = pool.acquire(job)
+        if time.time() > deadline - 5:
+            pool.release(g, job)
+            job.result = {"rc": "not run", "seconds": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+            continue
+
+        def work(job: Job = job, g: str = g) -> None:
+            try:
+                run_job(job, [g], out, deadline)
+            finally:
+                pool.release(g, job)
+
+        t = threading.Thread(target=work)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+
+
+def run_bench(name: str, cmd: list[str], out: Path, limit: float, gpus: list[str]) -> dict:
+    start = time.time()
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "CUDA_VISIBLE_DEVICES": gpus[0] if gpus else ""}
+    with open(out / f"{name}.log", "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=max(1.0, limit)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    tail = (out / f"{name}.log").read_text(errors="replace").strip().splitlines()[-20:]
+    return {"rc": rc, "seconds": round(time.time() - start, 1), "tail": tail}
+
+
+def merge_logs(out: Path, steps: list[str]) -> None:
+    """One log per step (the device machine returns at most 8 files): the jobs' logs in order."""
+    for name in steps:
+        parts = sorted((out / "jobs").glob(f"{name}_*.log"))
+        with open(out / f"{name}.log", "w") as f:
+            for p in parts:
+                f.write(f"===== {p.stem}\n{p.read_text(errors='replace')}\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 560)),
+                    help="seconds for the whole run (default 560: one 10-minute device call with room to spare)")
+    ap.add_argument("--slots-per-gpu", type=int, default=int(os.environ.get("GPU_CHECK_SLOTS", 5)),
+                    help="test processes at once per GPU (kernel tests are compile-bound: CPU work)")
+    ap.add_argument("--steps", default="a,b,c,d,e", help="which steps (letters), default all")
+    a = ap.parse_args()
+    t0 = time.time()
+    deadline = t0 + a.budget
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    for d in (out, out / "junit", out / "jobs"):
+        d.mkdir(parents=True, exist_ok=True)
+    gpus = visible_gpus()
+    print(f"== {len(gpus)} GPU(s) visible: {','.join(gpus) or '-'}; {os.cpu_count()} CPUs; "
+          f"{a.slots_per_gpu} test processes per GPU; budget {a.budget:.0f}s", flush=True)
+    if not gpus:
+        print("no CUDA GPU visible: nothing to check")
+        return 1
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    steps = [s for s in STEPS if s.name[0] in a.steps.split(",")]
+    jobs: list[Job] = []
+    rows: dict[str, dict] = {s.name: {} for s in steps}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(steps) or 1) as ex:
+        collected = dict(zip([s.name for s in steps], ex.map(collect, steps)))
+    print(f"== collected in {time.time() - t0:.0f}s: "
+          + ", ".join(f"{k} {len(v)} tests" for k, v in collected.items()), flush=True)
+    multi = []
+    for s in steps:
+        if s.gpus > len(gpus):
+            rows[s.name] = {"note": f"needs {s.gpus} GPUs, {len(gpus)} visible: not run", "rc": "skip"}
+            continue
+        if not collected[s.name]:
+            rows[s.name] = {"note": "no tests collected", "rc": "none"}
+            continue
+        (multi if s.gpus > 1 else jobs).extend(make_jobs(s, collected[s.name], known))
+    print(f"== {len(jobs)} single-GPU jobs, {len(multi)} multi-GPU jobs", flush=True)
+    run_pool(jobs, gpus, a.slots_per_gpu, out, deadline)
+    for job in multi:  # they see every GPU: after the pool, one at a time
+        run_job(job, gpus, out, deadline)
+    every = jobs + multi
+    (out / "durations.json").write_text(json.dumps({j.key: j.result.get("seconds", 0) for j in every}, indent=0))
+    merge_logs(out, [s.name for s in steps])
+    for s in steps:
+        mine = [j for j in every if j.step is s]
+        if not mine:
+            continue
+        total = {k: sum(j.result.get(k, 0) for j in mine) for k in ("passed", "failed", "errors", "skipped")}
+        bad = [j for j in mine if j.result.get("rc") not in (0, 5)]
+        none_ran = not total["passed"] and not total["failed"] and not total["errors"]
+        rows[s.name] = {**total, "seconds": round(max(j.result.get("seconds", 0) for j in mine), 1),
+                        "rc": 0 if not bad and not none_ran else "fail", "jobs": len(mine),
+                        "note": "; ".join(f"{j.key.split(':', 1)[1]} rc={j.result.get('rc')}" for j in bad)[:200]}
+        if none_ran:
+            rows[s.name]["note"] = "every test skipped: nothing was checked"
+        for j in bad:
+            print(f"   !! {j.key}: rc={j.result.get('rc')} (log: {out}/{s.name}.log)")
+    if "e" in a.steps.split(","):
+        left = deadline - time.time()
+        r = run_bench("e_decode_bench", [sys.executable, "benchmarks/decode.py", "--quick"], out, left - 5, gpus)
+        rows["e_decode_bench"] = {**r, "note": f"rc={r['rc']}"}
+        print("== decode benchmark (tail)\n" + "\n".join(r["tail"]))
+    report = out / "gpu_report.jsonl"
+    if report.exists() and report.stat().st_size:
+        print(f"== GPU test results ({report})\n{report.read_text()}")
+    print(f"\n== summary: {time.time() - t0:.0f}s in all, {len(gpus)} GPU(s), logs in {out}")
+    print(f"{'step':<16} | {'result':<7} | {'passed':>6} | {'failed':>6} | {'errors':>6} | {'skipped':>7} | "
+          f"{'seconds':>7} | note")
+    failed = False
+    for name, r in rows.items():
+        ok = r.get("rc") in (0, "skip")
+        failed |= not ok and r.get("rc") != "skip"
+        print(f"{name:<16} | {'PASS' if r.get('rc') == 0 else ('SKIP' if r.get('rc') == 'skip' else 'FAIL'):<7} | "
+              f"{r.get('passed', '-'):>6} | {r.get('failed', '-'):>6} | {r.get('errors', '-'):>6} | "
+              f"{r.get('skipped', '-'):>7} | {r.get('seconds', '-'):>7} | {r.get('note', '')}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
