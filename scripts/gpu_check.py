@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 # Opt-in fast paths: graph padding must stay bit-identical with all of them on.
 FAST_PATHS = {"SWASERVE_SKINNY_GEMM": "1", "SWASERVE_PDL": "1", "SWASERVE_FUSED_SPLIT_COMBINE": "1"}
-# Measured seconds per job from the last run (`$OUT/durations.json`, copied here), to start the longest
-# first; a job not in it is estimated from its test count.
+# Seconds per test from a full run on one H100 (`$OUT/test_times.json`, copied here; times under the
+# run's own contention), to pack tests into jobs of about TARGET_S seconds and start the longest first.
 DURATIONS = ROOT / "scripts" / "gpu_check_durations.json"
+TARGET_S = 40.0
 # Files whose tests hold a large model (fp32 real-shape cuts next to HF's copy): one at a time per GPU.
 HEAVY = ("test_gemma4_vs_hf.py", "test_mimo_v2_flash_vs_hf.py", "test_gpt_oss_vs_hf.py", "test_gemma3_1b_vs_hf.py")
 
@@ -40,7 +41,7 @@ class Step:
     paths: list[str]
     marker: str | None = None
     env: dict[str, str] = field(default_factory=dict)
-    chunk: int = 24  # tests per job when a file has more
+    estimate: float = 15.0  # seconds a test takes when the last run did not time it
     gpus: int = 1  # GPUs one job of this step needs
 
 
@@ -55,7 +56,7 @@ class Job:
 
 
 STEPS = [
-    Step("a_kernel_tests", ["tests/kernels"], env={"SWASERVE_KERNEL_TESTS_ON_GPU": "1"}, chunk=16),
+    Step("a_kernel_tests", ["tests/kernels"], env={"SWASERVE_KERNEL_TESTS_ON_GPU": "1"}, estimate=2.0),
     Step("b_gpu_tests", ["tests/gpu", "tests/unit/test_sampler.py"], marker="gpu and not multi_gpu"),
     Step("c_fast_paths", ["tests/gpu/test_cuda_graph_padding.py"], marker="gpu", env=FAST_PATHS),
     Step("d_multi_gpu", ["tests/gpu"], marker="multi_gpu", gpus=2),
@@ -88,17 +89,25 @@ def collect(step: Step) -> list[str]:
 
 
 def make_jobs(step: Step, ids: list[str], known: dict[str, float]) -> list[Job]:
+    """Each file's tests in runs of about `TARGET_S` seconds (by the last run's per-test times, else
+    `step.estimate` each), so a long file spreads over several processes and a short one is one."""
     by_file: dict[str, list[str]] = {}
     for i in ids:
         by_file.setdefault(i.split("::")[0], []).append(i)
     jobs = []
     for path, tests in by_file.items():
-        parts = [tests[i:i + step.chunk] for i in range(0, len(tests), step.chunk)]
-        for n, part in enumerate(parts):
+        parts: list[list[str]] = [[]]
+        sums = [0.0]
+        for t in tests:
+            est = known.get(f"{step.name}:{t}", step.estimate)
+            if parts[-1] and sums[-1] + est > TARGET_S:
+                parts.append([])
+                sums.append(0.0)
+            parts[-1].append(t)
+            sums[-1] += est
+        for n, (part, est) in enumerate(zip(parts, sums)):
             key = f"{step.name}:{path}" + (f"#{n}" if len(parts) > 1 else "")
-            whole = len(parts) == 1 and len(part) == len(tests)
-            jobs.append(Job(step, [path] if whole and not step.marker else part, key,
-                            known.get(key, 2.0 * len(part)), Path(path).name in HEAVY))
+            jobs.append(Job(step, part, key, est, Path(path).name in HEAVY))
     return jobs
 
 
@@ -118,9 +127,23 @@ def run_job(job: Job, gpus: list[str], out: Path, deadline: float) -> None:
             os.killpg(p.pid, 9)
             p.wait()
             rc = "timeout"
-    job.result = {"rc": rc, "seconds": round(time.time() - start, 1), "gpus": gpus, **junit_counts(xml)}
+    job.result = {"rc": rc, "seconds": round(time.time() - start, 1), "gpus": gpus, **junit_counts(xml),
+                  "times": junit_times(xml, job.step.name)}
     if rc != 0 and not job.result["failed"] and not job.result["errors"]:
         job.result["errors"] = 1  # a crash or timeout that left no test failure behind still fails the step
+
+
+def junit_times(xml: Path, step: str) -> dict[str, float]:
+    """`step:node id` -> seconds of each test case in a job's report."""
+    try:
+        cases = ET.parse(xml).getroot().iter("testcase")
+    except (OSError, ET.ParseError):
+        return {}
+    out = {}
+    for c in cases:
+        path = c.get("file") or c.get("classname", "").replace(".", "/") + ".py"
+        out[f"{step}:{path}::{c.get('name')}"] = round(float(c.get("time", 0)), 1)
+    return out
 
 
 def junit_counts(xml: Path) -> dict[str, int]:
@@ -213,7 +236,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 560)),
                     help="seconds for the whole run (default 560: one 10-minute device call with room to spare)")
-    ap.add_argument("--slots-per-gpu", type=int, default=int(os.environ.get("GPU_CHECK_SLOTS", 5)),
+    ap.add_argument("--slots-per-gpu", type=int, default=int(os.environ.get("GPU_CHECK_SLOTS", 8)),
                     help="test processes at once per GPU (kernel tests are compile-bound: CPU work)")
     ap.add_argument("--steps", default="a,b,c,d,e", help="which steps (letters), default all")
     a = ap.parse_args()
@@ -252,7 +275,9 @@ def main() -> int:
     for job in multi:  # they see every GPU: after the pool, one at a time
         run_job(job, gpus, out, deadline)
     every = jobs + multi
-    (out / "durations.json").write_text(json.dumps({j.key: j.result.get("seconds", 0) for j in every}, indent=0))
+    times = {k: v for j in every for k, v in j.result.get("times", {}).items()}
+    (out / "test_times.json").write_text(json.dumps(times, indent=0, sort_keys=True))
+    (out / "job_times.json").write_text(json.dumps({j.key: j.result.get("seconds", 0) for j in every}, indent=0))
     merge_logs(out, [s.name for s in steps])
     for s in steps:
         mine = [j for j in every if j.step is s]
@@ -273,9 +298,6 @@ def main() -> int:
         r = run_bench("e_decode_bench", [sys.executable, "benchmarks/decode.py", "--quick"], out, left - 5, gpus)
         rows["e_decode_bench"] = {**r, "note": f"rc={r['rc']}"}
         print("== decode benchmark (tail)\n" + "\n".join(r["tail"]))
-    report = out / "gpu_report.jsonl"
-    if report.exists() and report.stat().st_size:
-        print(f"== GPU test results ({report})\n{report.read_text()}")
     print(f"\n== summary: {time.time() - t0:.0f}s in all, {len(gpus)} GPU(s), logs in {out}")
     print(f"{'step':<16} | {'result':<7} | {'passed':>6} | {'failed':>6} | {'errors':>6} | {'skipped':>7} | "
           f"{'seconds':>7} | note")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Gemma 4 on the GPU machine, from the repo root: `bash scripts/gpu_gemma4.sh [step ...]`.
+# Named GPU runs (Gemma 4, serving, deterministic mode, defaults...), from the repo root: `bash scripts/gpu_suite.sh step ...`.
 # Steps: kernels (MoE + attention kernel tests, natively), parity (6-layer 26B-A4B shape vs HF), decode
 # (bs 1/16/64 x ctx 1k/8k vs the active-expert roofline), serve (200 requests @ 128 through `swaserve
 # serve` on a random-weight 26B-A4B directory), capacity (hybrid vs one pool); for issue 21:
@@ -57,6 +57,14 @@ model_dir() {  # model_dir SHAPE: a config-only directory (random weights via --
     mkdir -p "$d" && cp .gpu_assets/gemma_tok/* "$d"/
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import hf_config; \
 hf_config('$1', max_positions=16384).save_pretrained('$d')"
+    echo "$d"
+}
+
+model_dir_ctx() {  # model_dir_ctx SHAPE: as model_dir, with the released model's context (what defaults plan for)
+    local d=/tmp/model-ctx-$1
+    mkdir -p "$d" && cp .gpu_assets/gemma_tok/* "$d"/
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import hf_config; \
+from defaults_sweep import MAX_POSITIONS; hf_config('$1', max_positions=MAX_POSITIONS['$1']).save_pretrained('$d')"
     echo "$d"
 }
 
@@ -156,6 +164,16 @@ for step in "${steps[@]}"; do
         mtp_mimo)  # issue 22: MiMo MTP (random weights: the mechanism's cost) vs plain at batch 1/8/32
             run mtp_mimo 420 python3 benchmarks/speculative.py --shape mimo-6l --methods plain,mtp \
                 --batch-sizes 1,8,32 --max-tokens 128 --workloads ordinary ;;
+        defaults_1b|defaults_4b|defaults_g4)  # issue 34: the defaults against a sweep of step budgets and running limits
+            shape=${step#defaults_}
+            [ "$shape" = g4 ] && shape=gemma4-26b-a4b
+            run "$step" 560 python3 benchmarks/defaults_sweep.py --shape "$shape" ${DEFAULTS_ARGS:-} ;;
+        served_default_1b|served_default_g4)  # issue 34: out of the box through the server (no engine flags), streaming
+            shape=${step#served_default_}
+            [ "$shape" = g4 ] && shape=gemma4-26b-a4b
+            d=$(model_dir_ctx "$shape")
+            run "$step" 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
+                --num-requests 256 --modes generate,stream --clients 8 --api-server-count 2 ${SERVED_ARGS:-} ;;
         capacity)
             run capacity 170 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
         *) echo "unknown step $step" ;;

@@ -183,6 +183,9 @@ class CacheConfig:
     gpu_memory_fraction: float = _opt(0.85, "fraction of free GPU memory after the weights given to the KV cache")
     cpu_kv_cache_bytes: int = _opt(512 << 20, "KV budget on CPU when --kv-cache-mb is not given", cli=False)
     dtype: torch.dtype | None = _opt(None, "KV dtype (default: the model dtype)", cli=False)
+    plan_request_tokens: int | None = _opt(
+        None, "request length (prompt + output tokens) the full:SWA pool split is sized for: requests of this "
+        "length fill both pools together, shorter ones the SWA pool first (default: min(max context, 4096))")
     swa_full_tokens_ratio: float | None = _opt(None, "override the planner's SWA:full pool token ratio")
     disable_hybrid_swa: bool = _opt(False, "cache sliding-window layers in the full pool (comparisons)")
     swa_evict_margin: int = _opt(1, "positions kept beyond the window for steps in flight")
@@ -195,8 +198,12 @@ SCHEDULE_POLICIES = ("mixed", "prefill_first")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = _opt(64, "requests decoded at once")
-    max_prefill_tokens: int = _opt(2048, "token budget of one step: prefill chunk size (mixed: decodes included)")
+    max_running_requests: int | None = _opt(
+        None, "requests decoded at once (default: on CUDA as many 512-token requests as the KV pools hold, at "
+        "most 1024 / 512 / 256 on GPUs of 70+ / 35+ / fewer GiB; 64 on CPU)")
+    max_prefill_tokens: int | None = _opt(
+        None, "token budget of one step: prefill chunk size (mixed: decodes included) (default: 8192 / 4096 / 2048 "
+        "on GPUs of 70+ / 35+ / fewer GiB; 2048 on CPU)")
     max_mixed_prefill_tokens: int | None = _opt(
         None, "mixed: prefill tokens a step may carry while requests decode (default: the rest of the step budget); "
         "smaller keeps streams' inter-token latency low while prompts arrive, larger prefills them sooner")
@@ -300,10 +307,12 @@ def split_engine_options(
         raise ValueError(f"unknown engine option(s) {unknown}; valid options: {', '.join(valid)}")
     built = [cls(**{k: v for k, v in options.items() if k in owned[cls]}) for cls in ENGINE_OPTION_OWNERS]
     cache, sched, runner, par, spec = built
-    if sched.max_running_requests < 1:
+    if sched.max_running_requests is not None and sched.max_running_requests < 1:
         raise ValueError("max_running_requests must be >= 1")
-    if sched.max_prefill_tokens < 1:
+    if sched.max_prefill_tokens is not None and sched.max_prefill_tokens < 1:
         raise ValueError("max_prefill_tokens must be >= 1")
+    if cache.plan_request_tokens is not None and cache.plan_request_tokens < 1:
+        raise ValueError("plan_request_tokens must be >= 1")
     if sched.max_mixed_prefill_tokens is not None and sched.max_mixed_prefill_tokens < 1:
         raise ValueError("max_mixed_prefill_tokens must be >= 1")
     if sched.schedule_policy not in SCHEDULE_POLICIES:

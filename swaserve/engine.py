@@ -103,16 +103,23 @@ class Engine:
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
         drafter = None
+        sizing = None
         if spec_cfg.speculative_method is not None:
+            from swaserve.runtime import size_runtime
             from swaserve.speculative import build_drafter
 
             if runner_cfg.overlap_schedule or self.tp is not None:
                 raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
                                  "(not yet supported together)")
+            # The drafter sizes its own cache for the target's running limit: choose it first.
+            _, sizing = size_runtime(config, self.device, self.dtype, cache_cfg, sched_cfg)
+            sched_cfg = sizing.sched
             drafter = build_drafter(spec_cfg, config, self.device, self.dtype, sched_cfg, runner_cfg.load_format)
         rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg,
                            start=drafter is None)
         self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
+        # What was chosen for the options left unset, and why (the startup line of `swaserve serve`).
+        self.sizing = sizing or rt.sizing
         self._runtime = rt
         self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
         overlap = runner_cfg.overlap_schedule
@@ -126,7 +133,7 @@ class Engine:
             if hasattr(drafter, "observe"):
                 self.launcher.set_observer(drafter)
             k = spec_cfg.speculative_num_tokens
-            start_runner(rt, runner_cfg, sched_cfg, verify=(spec_cfg.speculative_max_batch_size, k + 1))
+            start_runner(rt, runner_cfg, verify=(spec_cfg.speculative_max_batch_size, k + 1))
             if hasattr(drafter, "start"):  # after the target's graphs: e.g. the drafter's own graphs
                 drafter.start(rt)
             self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
@@ -297,6 +304,10 @@ class Engine:
                 "prefix_cache_hit_tokens_total": hit, "prefix_cache_miss_tokens_total": query - hit,
                 "spec_draft_tokens_total": spec.drafted_total if spec is not None else 0,
                 "spec_accepted_tokens_total": spec.accepted_total if spec is not None else 0}
+
+    def startup_line(self) -> str:
+        """The values chosen for the options left unset and why, and the KV pools: one line."""
+        return f"{self.sizing.line()}; KV cache {self.plan.describe()}"
 
     def memory_stats(self) -> dict[str, int]:
         """Per pool: `used` (held by requests, or by cache they lock), `cached` (held by the prefix

@@ -21,9 +21,10 @@ from swaserve.memory import (
     plan_memory,
 )
 from swaserve.prefix_cache import RadixCache
-from swaserve.runner.memory_budget import kv_budget_bytes
+from swaserve.runner.memory_budget import device_memory_gib, kv_budget_bytes
 from swaserve.runner.piecewise_graph import PIECEWISE_MAX_TOKENS
 from swaserve.scheduler.scheduler import Scheduler
+from swaserve.sizing import PLAN_REQUEST_TOKENS, Sizing, graph_max_bs, resolve_running, resolve_step_tokens
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,6 +39,11 @@ class Runtime:
     evictor: SWAEvictor | None
     runner: Any  # ModelRunner
     scheduler: Scheduler
+    sizing: Sizing  # the scheduler config with every default resolved, and why each value
+
+    @property
+    def sched(self) -> SchedulerConfig:
+        return self.sizing.sched
 
 
 def rank_kv_config(config: ModelConfig) -> ModelConfig:
@@ -65,6 +71,48 @@ def common_budget(budget: int) -> int:
     return int(t[0])
 
 
+def size_runtime(config: ModelConfig, device: torch.device, dtype: torch.dtype, cache: CacheConfig,
+                 sched: SchedulerConfig) -> tuple[MemoryPlan, Sizing]:
+    """The memory plan and the scheduler config with its unset options chosen (`swaserve.sizing`) for
+    this device's KV budget (the smallest rank's under tensor parallelism, so every rank agrees)."""
+    kv_dtype = cache.dtype or dtype
+    ctx = config.max_context
+    config = rank_kv_config(config)
+    gib = device_memory_gib(device)
+    sched, step_why = resolve_step_tokens(sched, device.type, gib)
+    budget = common_budget(kv_budget_bytes(device, cache))
+
+    def plan_for(budget_bytes: int) -> MemoryPlan:
+        return plan_memory(
+            budget_bytes,
+            config.full_group,
+            config.swa_group,
+            kv_dtype,
+            ctx,
+            config.sliding_window,
+            hybrid=not cache.disable_hybrid_swa,
+            swa_full_tokens_ratio=cache.swa_full_tokens_ratio,
+            evict_margin=cache.swa_evict_margin,
+            evict_chunk=cache.swa_evict_chunk,
+            prefill_chunk=sched.max_prefill_tokens,
+            kv_shared_layers=len(config.kv_source),
+            request_tokens=cache.plan_request_tokens or PLAN_REQUEST_TOKENS,
+        )
+
+    plan = plan_for(budget)
+    sched, running_why = resolve_running(sched, device.type, gib, plan)
+    if cache.kv_cache_bytes is None and device.type == "cuda":
+        # The request table comes out of the measured budget too.
+        plan = plan_for(budget - ReqToTokenPool.nbytes(sched.max_running_requests + 1, ctx))
+    if not plan.hybrid:
+        split = "one pool for every layer"
+    elif cache.swa_full_tokens_ratio is not None:
+        split = f"SWA:full pool tokens {cache.swa_full_tokens_ratio} (given)"
+    else:
+        split = f"pools split for {plan.planned_request_tokens}-token requests"
+    return plan, Sizing(sched, (running_why, step_why, split))
+
+
 def build_runtime(
     config: ModelConfig,
     model: nn.Module,
@@ -75,27 +123,16 @@ def build_runtime(
     runner_cfg: RunnerConfig,
     start: bool = True,
 ) -> Runtime:
-    """Pools, allocator, runner and scheduler for `model`. `start=False` leaves graph capture and
-    warm-up to the caller (`start_runner`), e.g. after a drafter has attached to the runtime."""
+    """Pools, allocator, runner and scheduler for `model`, with the scheduler options left unset chosen
+    from the device and the plan (`Runtime.sizing`). `start=False` leaves graph capture and warm-up to
+    the caller (`start_runner`), e.g. after a drafter has attached to the runtime."""
     from swaserve.runner.model_runner import ModelRunner
 
     kv_dtype = cache.dtype or dtype
     ctx = config.max_context
+    plan, sizing = size_runtime(config, device, dtype, cache, sched)
+    sched = sizing.sched
     config = rank_kv_config(config)
-    plan = plan_memory(
-        common_budget(kv_budget_bytes(device, cache)),
-        config.full_group,
-        config.swa_group,
-        kv_dtype,
-        ctx,
-        config.sliding_window,
-        hybrid=not cache.disable_hybrid_swa,
-        swa_full_tokens_ratio=cache.swa_full_tokens_ratio,
-        evict_margin=cache.swa_evict_margin,
-        evict_chunk=cache.swa_evict_chunk,
-        prefill_chunk=sched.max_prefill_tokens,
-        kv_shared_layers=len(config.kv_source),
-    )
     need = plan.swa_tokens_per_request + sched.max_prefill_tokens
     if plan.hybrid and plan.swa_tokens < need:
         raise ValueError(
@@ -118,23 +155,22 @@ def build_runtime(
     prefix_cache = (None if cache.disable_prefix_cache
                     else RadixCache(allocator, config.sliding_window if plan.hybrid else None))
     scheduler = Scheduler(sched, ctx, table, allocator, evictor, prefix_cache)
-    rt = Runtime(plan, kv, table, allocator, evictor, runner, scheduler)
+    rt = Runtime(plan, kv, table, allocator, evictor, runner, scheduler, sizing)
     if start:
-        start_runner(rt, runner_cfg, sched)
+        start_runner(rt, runner_cfg)
     return rt
 
 
-def start_runner(rt: Runtime, runner_cfg: RunnerConfig, sched: SchedulerConfig,
-                 verify: tuple[int, int] | None = None) -> None:
+def start_runner(rt: Runtime, runner_cfg: RunnerConfig, verify: tuple[int, int] | None = None) -> None:
     """Capture the decode graphs, the piecewise graphs of extend steps (and, with `verify` = (max
     batch, tokens per request), the speculative verify graphs) and warm the kernels up, before the
     first request."""
-    runner, device = rt.runner, rt.runner.device
+    runner, device, sched = rt.runner, rt.runner.device, rt.sched
     use_graphs = (device.type == "cuda" and not runner_cfg.disable_cuda_graph) or (
         device.type == "cpu" and runner_cfg.enable_cpu_graph
     )
     if use_graphs:
-        runner.enable_decode_graphs(sched.max_running_requests)
+        runner.enable_decode_graphs(graph_max_bs(sched.max_running_requests))
         if verify is not None and device.type == "cuda" and not runner.deterministic:
             runner.enable_verify_graphs(min(verify[0], sched.max_running_requests), verify[1])
     piecewise = runner_cfg.enable_piecewise_cuda_graph

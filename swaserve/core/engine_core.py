@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     name = getattr(engine, "model_name", None) or "swaserve"
     freeze_startup_objects()  # the model, graphs, tokenizer tables: alive until exit
     tell_all(Ready(name, int(engine.model_config.max_context), os.getpid()))
+    if hasattr(engine, "startup_line"):
+        print(f"swaserve: engine: {engine.startup_line()}", flush=True)  # stdout is stderr here (above)
     try:
         EngineCore(engine, inbox, outboxes, args.parent_pid).run()
     finally:

@@ -2,8 +2,9 @@
 
 A request at context L holds L full-pool slots and at most min(L, S) SWA-pool slots, where
 S = W + margin + evict_chunk is the eviction bound of `memory.window`. Sizing both pools in the
-ratio S : L (plus one prefill chunk of SWA headroom) makes a workload of max-context requests fill
-both pools at about the same time.
+ratio min(L, S) : L for a planned request length L (plus one prefill chunk of SWA headroom) makes a
+workload of L-token requests fill both pools at about the same time; shorter requests fill the SWA
+pool first, longer ones the full pool. L is the max context unless the caller plans for shorter.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class MemoryPlan:
     full_group: KVGroup | None = None  # the K/V shape of each pool, for `describe`
     swa_group: KVGroup | None = None
     kv_shared_layers: int = 0  # layers reading another layer's K/V: no bytes in either pool
+    planned_request_tokens: int = 0  # the request length the split was sized for (hybrid plans)
 
     @property
     def total_bytes(self) -> int:
@@ -76,11 +78,13 @@ def plan_memory(
     evict_chunk: int = 64,
     prefill_chunk: int = 0,
     kv_shared_layers: int = 0,
+    request_tokens: int | None = None,
 ) -> MemoryPlan:
     """Size the pools for `budget_bytes` of K/V.
 
     With `hybrid=False` (or a model with no SWA layers) every layer is cached in the full pool.
-    `swa_full_tokens_ratio` overrides the SWA:full token ratio the planner would pick.
+    `request_tokens`: the request length (prompt + output) the split is sized for (default and at most
+    `max_context`). `swa_full_tokens_ratio` overrides the SWA:full token ratio the planner would pick.
     """
     if budget_bytes <= 0:
         raise ValueError("KV budget must be positive")
@@ -96,7 +100,10 @@ def plan_memory(
                           swa_group=swa_group, kv_shared_layers=kv_shared_layers)
     assert window is not None
     swa_per_req = min(max_context, window + evict_margin + evict_chunk)
-    ratio = swa_full_tokens_ratio if swa_full_tokens_ratio is not None else swa_per_req / max_context
+    planned = max_context if request_tokens is None else min(request_tokens, max_context)
+    if planned < 1:
+        raise ValueError("request_tokens must be positive")
+    ratio = swa_full_tokens_ratio if swa_full_tokens_ratio is not None else min(swa_per_req, planned) / planned
     if ratio <= 0:
         raise ValueError("swa_full_tokens_ratio must be positive")
     # Headroom for one prefill chunk in the SWA pool: a chunk holds its new tokens before eviction.
@@ -107,4 +114,5 @@ def plan_memory(
     full_tokens = int(full_tokens)
     swa_tokens = int(full_tokens * ratio) + headroom
     return MemoryPlan(full_tokens, swa_tokens, full_b, swa_b, swa_per_req, max_context, hybrid=True,
-                      full_group=full_group, swa_group=swa_group, kv_shared_layers=kv_shared_layers)
+                      full_group=full_group, swa_group=swa_group, kv_shared_layers=kv_shared_layers,
+                      planned_request_tokens=planned)

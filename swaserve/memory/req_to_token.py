@@ -17,6 +17,11 @@ class ReqToTokenPool:
     never reads device memory (no host sync on the step path).
     """
 
+    @staticmethod
+    def nbytes(max_reqs: int, max_context: int) -> int:
+        """Device bytes of a table for `max_reqs` requests (row 0 included)."""
+        return (max_reqs + 1) * max_context * 4
+
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str = "cpu"):
         if max_reqs < 1 or max_context < 1:
             raise ValueError("ReqToTokenPool needs max_reqs >= 1 and max_context >= 1")

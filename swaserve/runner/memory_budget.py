@@ -1,4 +1,5 @@
-"""How many bytes the KV pools may take on a device (the only place that asks CUDA for free memory)."""
+"""How many bytes the KV pools may take on a device, and how much memory it has (the only place that asks
+CUDA for free or total memory)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,10 @@ def kv_budget_bytes(device: torch.device, cache: CacheConfig) -> int:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         return int(free * cache.gpu_memory_fraction)
     return int(cache.cpu_kv_cache_bytes)
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """Total memory of a CUDA device in GiB (what the engine defaults are sized from); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / (1 << 30)

@@ -60,7 +60,7 @@ class DraftModelDrafter:
         budget = (256 << 20) if device.type == "cpu" else (4 << 30)
         cache = CacheConfig(kv_cache_bytes=budget, disable_prefix_cache=True)
         rt = build_runtime(config, loaded.model, device, dtype, cache, sched, runner, start=False)
-        start_runner(rt, runner, sched, verify=verify)
+        start_runner(rt, runner, verify=verify)
         return cls(rt)
 
     # -- the drafter interface ---------------------------------------------------------------

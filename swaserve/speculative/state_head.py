@@ -60,7 +60,7 @@ def head_runtime(config: ModelConfig, head: Any, kv_heads: int, kv_width: int, t
     runner_cfg = RunnerConfig(enable_piecewise_cuda_graph=False)  # its extends carry state inputs: verify graphs
     rt = build_runtime(config, head, device, dtype, cache, sched, runner_cfg, start=False)
     rt.runner.decode_scratch_inputs, rt.runner.extend_scratch_inputs, rt.runner.scratch_outputs = scratch
-    return rt, lambda: start_runner(rt, runner_cfg, sched, verify=verify)
+    return rt, lambda: start_runner(rt, runner_cfg, verify=verify)
 
 
 class StateHeadDrafter:
