@@ -1,12 +1,27 @@
-"""Shared benchmark pieces: random-weight models in real Gemma 3 and Gemma 4 shapes, the measured copy
-bandwidth, and the decode-step byte count that defines the roofline."""
+"""Shared benchmark pieces: random-weight models in real Gemma 3 and Gemma 4 shapes (and tiny ones for
+`--smoke`), the measured copy bandwidth, the decode-step byte count that defines the roofline, and the
+`--smoke` switch every script has: a tiny CPU run of its whole code path that CI runs
+(tests/benchmarks/test_smoke.py), so a script that no longer runs fails there."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+SMOKE_HELP = ("a tiny CPU run of the whole script (tiny shapes and counts, Triton kernels in the "
+              "interpreter): seconds; CI runs it so the script cannot rot silently. Its numbers mean nothing")
+
+# A smoke run executes the Triton kernels on CPU tensors, i.e. in Triton's interpreter, which is chosen
+# when a kernel is decorated: set it before any kernel module is imported (scripts import this module
+# first). Under pytest the tests' conftest has already set it.
+if "--smoke" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Published Gemma 3 text shapes (hidden, layers, heads, kv heads, head dim, ffn, window).
 GEMMA3_SHAPES = {
@@ -18,6 +33,11 @@ GEMMA3_SHAPES = {
                intermediate_size=10240, sliding_window=1024),
     "12b": dict(hidden_size=3840, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                 intermediate_size=15360, sliding_window=1024),
+    # --smoke: both layer kinds (one full layer in six), a window short prompts cross, a vocabulary that
+    # holds the token ids the serving benchmarks send (1000-20000).
+    "tiny": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=32, intermediate_size=128, sliding_window=32, vocab_size=32768,
+                 query_pre_attn_scalar=32),
 }
 
 
@@ -29,6 +49,12 @@ GEMMA4_SHAPES = {
                     intermediate_size=2112, enable_moe_block=True, num_experts=128, top_k_experts=8,
                     moe_intermediate_size=704, sliding_window=1024, hidden_size_per_layer_input=0,
                     final_logit_softcapping=30.0, eos_token_id=[1, 106]),
+    # --smoke: the same structure (5 sliding : 1 full, K = V full layers, experts beside a dense MLP), tiny.
+    "tiny": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=32, global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
+                 intermediate_size=64, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                 moe_intermediate_size=32, sliding_window=32, hidden_size_per_layer_input=0,
+                 final_logit_softcapping=30.0, eos_token_id=[1, 106], vocab_size=32768),
 }
 
 
@@ -36,11 +62,11 @@ def gemma4_hf_config(shape: str, max_positions: int = 32768, num_layers: int | N
     """`num_layers` cuts the stack (keeping the 5:1 pattern and a full last layer) for HF parity runs."""
     from transformers import Gemma4TextConfig
 
-    s = dict(GEMMA4_SHAPES[shape])
+    s = {"vocab_size": 262144, **GEMMA4_SHAPES[shape]}
     n = num_layers or s.pop("num_hidden_layers")
     s.pop("num_hidden_layers", None)
     layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
-    cfg = Gemma4TextConfig(vocab_size=262144, num_hidden_layers=n, layer_types=layer_types,
+    cfg = Gemma4TextConfig(num_hidden_layers=n, layer_types=layer_types,
                            max_position_embeddings=max_positions, **s)
     cfg.architectures = ["Gemma4ForCausalLM"]
     return cfg
@@ -60,7 +86,8 @@ def mimo_hf_config(max_positions: int = 32768, num_layers: int = 6, num_experts:
 
 
 def hf_config(shape: str, max_positions: int = 32768):
-    """`1b`, `4b`, ... (Gemma 3), `gemma4-26b-a4b` or `mimo-6l` (MiMo-V2-Flash, 6 layers, 32 experts)."""
+    """`1b`, `4b`, ... (Gemma 3), `gemma4-26b-a4b` or `mimo-6l` (MiMo-V2-Flash, 6 layers, 32 experts);
+    `tiny` and `gemma4-tiny` for --smoke."""
     if shape.startswith("gemma4-"):
         return gemma4_hf_config(shape.removeprefix("gemma4-"), max_positions)
     if shape == "mimo-6l":
@@ -71,10 +98,9 @@ def hf_config(shape: str, max_positions: int = 32768):
 def gemma3_hf_config(shape: str, max_positions: int = 32768):
     from transformers import Gemma3TextConfig
 
-    s = GEMMA3_SHAPES[shape]
+    s = {"vocab_size": 262144, "query_pre_attn_scalar": 256, **GEMMA3_SHAPES[shape]}
     layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(s["num_hidden_layers"])]
-    cfg = Gemma3TextConfig(vocab_size=262144, query_pre_attn_scalar=256, layer_types=layer_types,
-                           max_position_embeddings=max_positions, **s)
+    cfg = Gemma3TextConfig(layer_types=layer_types, max_position_embeddings=max_positions, **s)
     cfg.architectures = ["Gemma3ForCausalLM"]
     return cfg
 
@@ -127,7 +153,14 @@ def decode_step_bytes(loaded, bs: int, ctx: int, kv_dtype: torch.dtype) -> int:
 
 def graph_us(fn, calls: int, replays: int = 3) -> float:
     """Microseconds per call of fn(i), i in range(calls), timed over CUDA-graph replays (no launch
-    overhead, as in decode): warmed up (and compiled) once outside the capture, median of 5."""
+    overhead, as in decode): warmed up (and compiled) once outside the capture, median of 5. Without
+    a GPU (--smoke: Triton's interpreter, nothing to compile) the calls run once each, timed by the
+    host clock."""
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        return (time.perf_counter() - t) * 1e6 / calls
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -151,9 +184,18 @@ def graph_us(fn, calls: int, replays: int = 3) -> float:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (on the CPU: a
+    host memory copy of at most 64 MiB, the rough roofline a CPU run is measured against)."""
     if device.type != "cuda":
-        return float("nan")
+        src = torch.ones(min(nbytes, 64 << 20) // 2, dtype=torch.int16)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+        return 2 * src.numel() * 2 / min(times)
     src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -205,3 +247,105 @@ def sync(device: torch.device) -> None:
 def now(device: torch.device) -> float:
     sync(device)
     return time.perf_counter()
+
+
+
+# -- --smoke ------------------------------------------------------------------------------------------
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None,
+               smoke: dict | None = None) -> argparse.Namespace:
+    """`ap`'s arguments plus `--smoke`, whose run takes the `smoke` values as defaults (flags given on the
+    command line still win); the namespace's `smoke` says which run this is."""
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    if smoke is not None and ap.parse_known_args(argv)[0].smoke:
+        ap.set_defaults(**smoke)
+    return ap.parse_args(argv)
+
+
+def bench_device(smoke: bool = False) -> torch.device:
+    """The CPU for a smoke run, else the GPU (or the CPU where there is none)."""
+    return torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+
+
+def bench_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU, float32 on the CPU (its bf16 matmuls are slow and not what anyone serves there)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Span:
+    """Milliseconds of one span of work: CUDA events on a GPU (the device's own clock, from the start
+    record to the end record), the host clock elsewhere; `stop()` synchronizes."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self._events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._events[0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.device.type == "cuda":
+            self._events[1].record()
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1])
+        return (time.perf_counter() - self._t0) * 1e3
+
+
+def write_model_dir(path: str | Path, hf, weights: bool = False, tokenizer: str | None = None) -> None:
+    """An HF directory for the HF config `hf`: config.json (random weights come from `--load-format
+    dummy`), with `weights` also transformers' own random init in bf16 safetensors (what HF loads too),
+    and a tokenizer (what `swaserve serve` and text prompts need): "embedded" the embedded model's,
+    "words" a word-level one over the config's whole vocabulary (`w<id>`; loads in milliseconds)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(path)
+    if weights:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(hf).to(torch.bfloat16).save_pretrained(path)
+    if tokenizer == "embedded":
+        from swaserve.tokenizer import Tokenizer
+
+        Tokenizer.load(None).hf.save_pretrained(path)
+    elif tokenizer == "words":
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        special = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
+        vocab = {tok: i for i, tok in enumerate(special.values())}
+        vocab |= {f"w{i}": i for i in range(len(vocab), hf.vocab_size)}
+        words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        words.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=words, **special).save_pretrained(path)
+    elif tokenizer is not None:
+        raise ValueError(f"tokenizer: 'embedded', 'words' or None, got {tokenizer!r}")
+
+
+def model_dir(shape: str, weights: bool = False, tokenizer: str | None = None,
+              max_positions: int = 16384) -> str:
+    """`write_model_dir` for `shape` (see `hf_config`) in the temp dir, written once per distinct config."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    hf = hf_config(shape, max_positions=max_positions)
+    key = hashlib.sha1(f"{hf.to_json_string()}{weights}{tokenizer}".encode()).hexdigest()[:10]
+    path = Path(tempfile.gettempdir()) / f"swaserve-bench-{shape}-{key}"
+    if not (path / "complete").exists():
+        shutil.rmtree(path, ignore_errors=True)  # a run cut short before marking it complete
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))  # complete or absent
+        write_model_dir(tmp, hf, weights, tokenizer)
+        (tmp / "complete").touch()
+        try:
+            tmp.rename(path)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(path)
