@@ -1,8 +1,13 @@
 """Offline throughput in the nano-vllm shape: 256 requests, prompt lengths uniform in 100-1024
 (seeded), 512 output tokens each, EOS ignored, on a random-weight Gemma 3 shape. Reports output tok/s
-and the fraction of the decode roofline over the run (sum over decode steps of the bytes each must
-read ÷ copy bandwidth, over the wall time of the whole run, prefill included), and how the wall time
-splits between prefill and decode steps (host time between step() returns, by the step finished)."""
+and the fraction of the decode roofline over the run (sum over the steps that decode of the bytes each
+must read ÷ copy bandwidth, over the wall time of the whole run, prefill included), and how the wall
+time splits between prefill, mixed (decodes + prefill chunks) and decode steps (host time between
+step() returns, by the step finished).
+
+    python benchmarks/offline_throughput.py [--shape 1b] [--runs 2]
+    python benchmarks/offline_throughput.py --smoke     # tiny CPU run (CI)
+"""
 
 from __future__ import annotations
 
@@ -11,16 +16,21 @@ import json
 import random
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, hardware, new_compiles, now, param_bytes, random_model  # noqa: E402
+from common import (  # noqa: E402
+    bench_device, bench_dtype, copy_bandwidth, hardware, new_compiles, now, param_bytes, parse_args,
+    random_model,
+)
+
+# Step kinds that decode running requests: each reads every weight once for them.
+DECODING_KINDS = ("decode", "mixed")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--min-input", type=int, default=100)
@@ -29,16 +39,23 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=int, default=1,
                     help="repeat the workload in one process (later runs: every kernel already compiled)")
-    a = ap.parse_args()
+    ap.add_argument("--max-prefill-tokens", type=int, default=16384, help="prefill tokens per step")
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="overlap scheduling (auto: the engine's default, on for CUDA)")
+    a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=6, min_input=8, max_input=48, output_len=6,
+                                        runs=2, overlap="on",
+                                        max_prefill_tokens=64))
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dev = bench_device(a.smoke)
+    dtype = bench_dtype(dev)
     bw = copy_bandwidth(dev)
     loaded = random_model(a.shape, dev, dtype)
+    overlap = {"auto": None, "on": True, "off": False}[a.overlap]
     engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=a.num_requests,
-                    max_context=a.max_input + a.output_len + 8, max_prefill_tokens=16384)
+                    max_context=a.max_input + a.output_len + 8, max_prefill_tokens=a.max_prefill_tokens,
+                    overlap_schedule=overlap)
     rng = random.Random(a.seed)
     lens = [rng.randint(a.min_input, a.max_input) for _ in range(a.num_requests)]
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
@@ -46,7 +63,8 @@ def main() -> None:
     cfg = loaded.config
     full_b, swa_b, W = cfg.full_group.bytes_per_token(dtype), cfg.swa_group.bytes_per_token(dtype), cfg.sliding_window or 0
     # warm-up (graphs are captured at start; this warms the prefill kernels)
-    engine.add_request("warm", list(range(10, 300)), SamplingParams(temperature=0, max_tokens=4))
+    warm = list(range(10, 10 + min(290, a.max_input)))
+    engine.add_request("warm", warm, SamplingParams(temperature=0, max_tokens=4))
     while engine.has_unfinished():
         engine.step()
     for run in range(a.runs):
@@ -54,8 +72,9 @@ def main() -> None:
         print(json.dumps(dict(run=run, **r)))
         print(f"\noffline {a.shape}: {a.num_requests} reqs, in {a.min_input}-{a.max_input}, out {a.output_len}: "
               f"{r['out_tok_per_s']} out tok/s, {r['roofline_frac'] * 100:.1f}% of roofline over the run, "
-              f"{r['seconds']:.1f} s (prefill steps {r['prefill_s']} s, decode steps {r['decode_s']} s); "
-              f"Triton compiles during the run: {r['compiles_during_run'] or 'none'}", flush=True)
+              f"{r['seconds']:.1f} s (prefill steps {r['prefill_s']} s, mixed steps {r['mixed_s']} s, "
+              f"decode steps {r['decode_s']} s); Triton compiles during the run: "
+              f"{r['compiles_during_run'] or 'none'}", flush=True)
 
 
 def one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W) -> dict:
@@ -63,11 +82,14 @@ def one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W) ->
     from swaserve.kernels.common import compiled_variants
 
     retractions_before = engine.stats.retractions_total
+    vocab = engine.model_config.vocab_size
     for i, n in enumerate(lens):
-        engine.add_request(f"{rng.random()}-{i}", [rng.randint(10, 200000) for _ in range(n)], params)
+        prompt = [rng.randint(10, min(200000, vocab - 1)) for _ in range(n)]
+        engine.add_request(f"{rng.random()}-{i}", prompt, params)
     compiled_before = compiled_variants()
-    steps = decode_steps = 0
-    by_mode = {"extend": 0.0, "decode": 0.0}  # wall time between step() returns, by the step it finished
+    steps = 0
+    kinds: dict[str, int] = defaultdict(int)  # steps launched, by kind (decode, extend, mixed)
+    by_kind: dict[str, float] = defaultdict(float)  # time between step() returns, by the step finished
     launched_before = None
     t0 = t_prev = now(dev)
     while engine.has_unfinished():
@@ -75,28 +97,32 @@ def one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W) ->
         # LLM.generate asks for.
         engine.step(finished_only=True)
         steps += 1
-        decode_steps += engine.last_step is not None and engine.last_step[0] == "decode"
+        if engine.last_step is not None:
+            kinds[engine.last_step[0]] += 1
         # With overlap a call returns once the step launched by the previous call is done.
         finished = launched_before if engine.overlap else engine.last_step
         launched_before = engine.last_step
         t = time.perf_counter()
         if finished is not None:
-            by_mode[finished[0]] += t - t_prev
+            by_kind[finished[0]] += t - t_prev
         t_prev = t
     dt = now(dev) - t0
-    # The roofline of the decode work done: every decode step reads all weights once, and each
+    # The roofline of the decode work done: every step that decodes reads all weights once, and each
     # decoded token reads its request's K/V (positions n .. n+out-2 of a prompt of n decode; the
     # first output token comes from the prefill).
+    decode_steps = sum(kinds[k] for k in DECODING_KINDS)
     kv = sum(full_b * (pos + 1) + swa_b * min(pos + 1, W) for n in lens for pos in range(n, n + a.output_len - 1))
     roof_s = (decode_steps * weights + kv) / bw
+    decoding_s = sum(by_kind[k] for k in DECODING_KINDS)
     total_out = a.num_requests * a.output_len
-    r = dict(shape=a.shape, requests=a.num_requests, output_tokens=total_out, seconds=round(dt, 2),
-             out_tok_per_s=round(total_out / dt, 1), roofline_frac=round(roof_s / dt, 3), steps=steps,
-             decode_steps=decode_steps, prefill_s=round(by_mode["extend"], 2), decode_s=round(by_mode["decode"], 2),
-             decode_roofline_frac=round(roof_s / by_mode["decode"], 3) if by_mode["decode"] else None,
-             retractions=engine.stats.retractions_total - retractions_before,
-             compiles_during_run=new_compiles(compiled_before, compiled_variants()), hardware=hardware())
-    return r
+    return dict(shape=a.shape, requests=a.num_requests, output_tokens=total_out, seconds=round(dt, 2),
+                out_tok_per_s=round(total_out / dt, 1), roofline_frac=round(roof_s / dt, 3), steps=steps,
+                steps_by_kind=dict(kinds), decode_steps=decode_steps, prefill_s=round(by_kind["extend"], 2),
+                mixed_s=round(by_kind["mixed"], 2), decode_s=round(by_kind["decode"], 2),
+                # over the time of the steps that decode (mixed ones include their prefill chunks' work)
+                decode_roofline_frac=round(roof_s / decoding_s, 3) if decoding_s else None,
+                retractions=engine.stats.retractions_total - retractions_before,
+                compiles_during_run=new_compiles(compiled_before, compiled_variants()), hardware=hardware())
 
 
 if __name__ == "__main__":
