@@ -2,6 +2,7 @@
 HBM roofline (weights + K/V bytes one step must read ÷ the copy bandwidth measured first).
 
     python benchmarks/decode.py [--shapes 1b,4b] [--batch-sizes 1,16,64,256] [--contexts 512,2048,8192] [--quick]
+    python benchmarks/decode.py --smoke     # tiny CPU run (CI): a Gemma 3 and a Gemma 4 MoE shape
 
 Each point: bs requests with ctx-token prompts are prefilled (untimed), then `--steps` decode steps
 of the whole batch are timed end to end through Engine.step() (scheduling, graph replay, sampling
@@ -20,19 +21,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, decode_step_bytes, fast_paths, hardware, now, random_model  # noqa: E402
+from common import (  # noqa: E402
+    bench_device, bench_dtype, copy_bandwidth, decode_step_bytes, empty_cache, fast_paths, hardware, now,
+    parse_args, random_model,
+)
 
 
 def bench_point(engine, loaded, bs: int, ctx: int, steps: int, warm: int, bw: float, seed: int) -> dict:
     from swaserve.request import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
+    vocab = min(200000, engine.model_config.vocab_size)
     # To the context limit: the mixed policy decodes the first prompts while it prefills the others,
     # so a budget of warm + steps tokens ran out mid-measurement for them (the batch shrank).
     params = SamplingParams(temperature=0, max_tokens=engine.scheduler.max_context - ctx, ignore_eos=True)
     ids = [f"p{bs}-{ctx}-{i}" for i in range(bs)]
     for rid in ids:
-        engine.add_request(rid, torch.randint(10, 200000, (ctx,), generator=g).tolist(), params)
+        engine.add_request(rid, torch.randint(10, vocab, (ctx,), generator=g).tolist(), params)
     while engine.scheduler.waiting or any(r.pending > 1 for r in engine.scheduler.running):
         engine.step()  # prefill (with the first prompts decoding meanwhile: mixed steps)
     for _ in range(warm):
@@ -54,8 +59,8 @@ def bench_point(engine, loaded, bs: int, ctx: int, steps: int, warm: int, bw: fl
                 roofline_step_ms=round(roof * 1e3, 3), roofline_frac=round(roof / step, 3), bytes_per_step=nbytes)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1b,4b")
     ap.add_argument("--batch-sizes", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="512,2048,8192")
@@ -70,7 +75,8 @@ def main() -> None:
     ap.add_argument("--fused-combine", action="store_true",
                     help="A/B: decode splits combined in stage 1, no stage-2 launch (SWASERVE_FUSED_SPLIT_COMBINE=1)")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], help="A/B: torch's preferred BLAS library for the GEMMs")
-    a = ap.parse_args()
+    a = parse_args(ap, argv, smoke=dict(shapes="tiny,gemma4-tiny", batch_sizes="1,3", contexts="40", steps=3,
+                                        warmup=1))
     if a.blas:
         torch.backends.cuda.preferred_blas_library(a.blas)
     if a.skinny_gemm:
@@ -81,8 +87,8 @@ def main() -> None:
         os.environ["SWASERVE_FUSED_SPLIT_COMBINE"] = "1"
     from swaserve.engine import Engine
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dev = bench_device(a.smoke)
+    dtype = bench_dtype(dev)
     bw = copy_bandwidth(dev)
     print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; bf16 weights and KV", flush=True)
     print(f"# {fast_paths()}", flush=True)
@@ -106,10 +112,11 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
         del engine, loaded
         gc.collect()  # the runner and its graph runner reference each other
-        torch.cuda.empty_cache() if dev.type == "cuda" else None
-    print(f"\n{'shape':<5} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'of roofline':>11}")
+        empty_cache(dev)
+    print(f"\n{'shape':<14} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} "
+          f"{'of roofline':>11}")
     for r in rows:
-        print(f"{r['shape']:<5} {r['bs']:>4} {r['ctx']:>5} {r['step_ms']:>8} {r['tok_per_s']:>9} "
+        print(f"{r['shape']:<14} {r['bs']:>4} {r['ctx']:>5} {r['step_ms']:>8} {r['tok_per_s']:>9} "
               f"{r['roofline_step_ms']:>8} {r['roofline_frac'] * 100:>10.1f}%")
 
 

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/deterministic.py --model DIR [--batch-sizes 1,64,256] [--ctx 1024]
     PYTHONPATH=. python benchmarks/deterministic.py --model DIR --probes [--num-probes 64 --others 100]
+    PYTHONPATH=. python benchmarks/deterministic.py --smoke [--probes --control]     # tiny CPU run (CI)
 
 DIR is an HF directory (config.json is enough: weights are random, --load-format dummy) or a shape
 name of benchmarks/common.py (1b, 4b, gemma4-26b-a4b). Cost (default): decode step time at each
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import empty_cache, parse_args, random_model  # noqa: E402
 
 
 def load(model: str, device: torch.device, dtype: torch.dtype):
@@ -34,8 +36,6 @@ def load(model: str, device: torch.device, dtype: torch.dtype):
 
     if Path(model).is_dir():
         return load_model(model, device, dtype, load_format="dummy")
-    from common import random_model
-
     return random_model(model, device, dtype)
 
 
@@ -171,8 +171,7 @@ def run_cost(args, loaded, device, dtype) -> None:
         rows.append(point)
         del engine
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        empty_cache(device)
     off, on = rows
     print(f"\n{'metric':<18} {'off':>10} {'on':>10} {'cost':>8}")
     for k in off:
@@ -190,7 +189,8 @@ def run_probes(args, loaded, device, dtype) -> None:
     hi = min(max(args.probe_max_len, window + 64), args.max_context - 160)
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(16, hi))] for _ in range(args.num_probes)]
     others = [(f"x{j}", [rng.randrange(2, vocab) for _ in range(rng.randrange(16, hi))],
-               SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(8, 128), ignore_eos=True,
+               SamplingParams(temperature=rng.choice([0.0, 1.0]), ignore_eos=True,
+                              max_tokens=rng.randrange(8, args.others_max_tokens + 1),
                               seed=rng.randrange(1 << 30)))
               for j in range(args.others)]
     longer = sum(len(p) > window for p in prompts)
@@ -222,9 +222,9 @@ def run_probes(args, loaded, device, dtype) -> None:
         print(f"{'on' if r['deterministic'] else 'off':<6} {r['sampling']:<8} {r['identical']}/{r['probes']}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="HF directory (random weights) or a shape name (1b, 4b, ...)")
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF directory (random weights) or a shape name (1b, 4b, ...)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch-sizes", default="1,64,256")
@@ -238,6 +238,7 @@ def main() -> None:
     ap.add_argument("--probes", action="store_true", help="run the probe check instead of the cost table")
     ap.add_argument("--num-probes", type=int, default=64)
     ap.add_argument("--others", type=int, default=100)
+    ap.add_argument("--others-max-tokens", type=int, default=127, help="others' max_tokens: 8 to this")
     ap.add_argument("--probe-tokens", type=int, default=32)
     ap.add_argument("--probe-max-len", type=int, default=1500)
     ap.add_argument("--control", action="store_true", help="probes with the mode off too")
@@ -246,7 +247,12 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--kv-mb", type=int, default=0, help="KV budget in MiB (0: the engine's default)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = parse_args(ap, argv, smoke=dict(model="tiny", device="cpu", dtype="float32", batch_sizes="1,3",
+                                           ctx=24, steps=2, requests=4, num_probes=3, others=4,
+                                           others_max_tokens=10, probe_tokens=4, probe_max_len=48, max_running=8,
+                                           chunk=64, max_context=256))
+    if args.model is None:
+        ap.error("--model is required")
 
     from swaserve.engine_setup import resolve_device_dtype
 

@@ -3,6 +3,7 @@ how many requests run at once with hybrid pools vs one pool for every layer, aga
 theoretical numbers, and the decode throughput at that load.
 
     python benchmarks/memory_capacity.py [--shape 12b] [--kv-gib 40] [--context 32768]
+    python benchmarks/memory_capacity.py --smoke     # tiny CPU run (CI)
 """
 
 from __future__ import annotations
@@ -16,20 +17,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hardware, now, random_model  # noqa: E402
+from common import (  # noqa: E402
+    bench_device, bench_dtype, empty_cache, hardware, now, parse_args, random_model,
+)
 
 
-def run_mode(loaded, dev, hybrid: bool, kv_bytes: int, ctx: int, new_tokens: int, prefill: int) -> dict:
+def run_mode(loaded, dev, dtype, hybrid: bool, kv_bytes: int, ctx: int, new_tokens: int,
+             prefill: int) -> dict:
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
 
-    engine = Engine(loaded, device=dev, dtype=torch.bfloat16, kv_cache_bytes=kv_bytes, max_context=ctx,
+    engine = Engine(loaded, device=dev, dtype=dtype, kv_cache_bytes=kv_bytes, max_context=ctx,
                     max_running_requests=48, max_prefill_tokens=prefill, disable_hybrid_swa=not hybrid)
     theory = engine.plan.max_concurrent_requests(ctx)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
+    vocab = min(200000, loaded.config.vocab_size)
     for i in range(theory + 1):  # one more than fits: it must wait (or be retracted), never corrupt
-        engine.add_request(str(i), torch.randint(10, 200000, (ctx - new_tokens,), generator=g).tolist(), params)
+        prompt = torch.randint(10, vocab, (ctx - new_tokens,), generator=g).tolist()
+        engine.add_request(str(i), prompt, params)
     max_running, decode_times = 0, []
     while engine.has_unfinished():
         t = now(dev)
@@ -45,22 +51,26 @@ def run_mode(loaded, dev, hybrid: bool, kv_bytes: int, ctx: int, new_tokens: int
                retractions=engine.stats.retractions_total)
     del engine
     gc.collect()  # the runner and its graph runner reference each other: free the pools now
-    torch.cuda.empty_cache()
+    empty_cache(dev)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="12b")
     ap.add_argument("--kv-gib", type=float, default=40)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=4096)
-    a = ap.parse_args()
-    dev = torch.device("cuda")
-    loaded = random_model(a.shape, dev, torch.bfloat16, max_positions=a.context)
+    # smoke: 128-token requests, window 32: room for ~11 with hybrid pools, 4 with one pool
+    a = parse_args(ap, argv, smoke=dict(shape="tiny", kv_gib=0.0008, context=128, new_tokens=4,
+                                        prefill_chunk=64))
+    dev = bench_device(a.smoke)
+    dtype = bench_dtype(dev)
+    loaded = random_model(a.shape, dev, dtype, max_positions=a.context)
     kv = int(a.kv_gib * (1 << 30))
-    rows = [run_mode(loaded, dev, h, kv, a.context, a.new_tokens, a.prefill_chunk) for h in (False, True)]
+    rows = [run_mode(loaded, dev, dtype, h, kv, a.context, a.new_tokens, a.prefill_chunk)
+            for h in (False, True)]
     single, hyb = rows
     theory_ratio = hyb["theoretical_concurrent"] / max(single["theoretical_concurrent"], 1)
     measured = hyb["max_running"] / max(single["max_running"], 1)

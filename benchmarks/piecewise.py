@@ -4,7 +4,11 @@ prefill chunk). Per step: time off/on (CUDA events around the whole step, host w
 launch overhead is what the pieces remove) and whether the final hidden states of every token are
 bit-identical between the two paths. With --profile, where a piecewise mixed step's time goes: host
 time of the step's launch path (eager attention between the pieces, graph replays) against its wall
-time and the GPU kernel time inside it."""
+time and the GPU kernel time inside it.
+
+    python benchmarks/piecewise.py [--shape 1b] [--kv-mb 16384] [--deterministic] [--profile]
+    python benchmarks/piecewise.py --smoke     # tiny CPU run (CI): the pieces run eagerly (no CUDA graphs)
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hardware, random_model  # noqa: E402
-
-DECODE_CONTEXT = 700  # tokens each running request holds when a mixed step decodes it
+from common import Span, bench_device, bench_dtype, hardware, parse_args, random_model, sync  # noqa: E402
 
 
 class Steps:
@@ -27,6 +29,7 @@ class Steps:
 
     def __init__(self, engine):
         self.engine, self.rt, self.runner = engine, engine._runtime, engine.runner
+        self.device = engine.device
         self.vocab = engine.model_config.vocab_size
         self.gen = torch.Generator().manual_seed(0)
 
@@ -57,15 +60,13 @@ class Steps:
             torch.manual_seed(0)
             self.gen.manual_seed(0)
             batch = self.batch(parts)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            sync(self.device)
+            span = Span(self.device)
             hidden = self.runner.forward_hidden(batch)
             self.runner.greedy_tokens(hidden)
-            end.record()
-            torch.cuda.synchronize()
+            ms = span.stop()
             if i >= 2:
-                times.append(start.elapsed_time(end))
+                times.append(ms)
         return sorted(times)[len(times) // 2], self.runner.step_states.clone()
 
 
@@ -123,25 +124,37 @@ def profile_step(steps: Steps, parts, pw, repeats: int) -> dict:
                                                                         if s >= sum(p[3] for p in parts))]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--chunks", default="64,100,128,256,300,512,1000,1024,1500,2048")
     ap.add_argument("--mixed", default="8+56,32+32,64+64,100+156,128+384,200+300,256+768",
                     help="DECODES+CHUNK per mixed step")
+    ap.add_argument("--decode-context", type=int, default=700,
+                    help="tokens each running request holds when a mixed step decodes it")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--kv-mb", type=int, default=16384)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--json", help="append one JSON line per step here")
     ap.add_argument("--profile", action="store_true", help="only: where the time of each mixed step goes")
-    a = ap.parse_args()
+    a = parse_args(ap, argv, smoke=dict(shape="tiny", chunks="8,12,40", mixed="2+6,4+20", decode_context=40,
+                                        repeats=1, kv_mb=64))
     from swaserve.engine import Engine
 
-    dev = torch.device("cuda")
-    loaded = random_model(a.shape, dev, torch.bfloat16)
-    engine = Engine(loaded, device=dev, dtype=torch.bfloat16, max_running_requests=320, max_prefill_tokens=4096,
-                    max_context=8192, disable_cuda_graph=True, kv_cache_bytes=a.kv_mb << 20, swa_full_tokens_ratio=1.0, enable_piecewise_cuda_graph=True,
+    dev = bench_device(a.smoke)
+    dtype = bench_dtype(dev)
+    if a.profile and dev.type != "cuda":
+        ap.error("--profile times CUDA graph replays and kernels: it needs a GPU")
+    loaded = random_model(a.shape, dev, dtype)
+    engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=320, max_prefill_tokens=4096,
+                    max_context=8192, disable_cuda_graph=True, kv_cache_bytes=a.kv_mb << 20,
+                    swa_full_tokens_ratio=1.0, enable_piecewise_cuda_graph=dev.type == "cuda",
                     enable_deterministic_inference=a.deterministic)
+    if dev.type != "cuda":  # no CUDA graphs here: the same padded program in pieces, run eagerly
+        from swaserve.runner.piecewise_graph import PIECEWISE_MAX_TOKENS, PiecewiseGraphRunner
+
+        max_tokens = min(4096, PIECEWISE_MAX_TOKENS)  # as the engine's (its max_prefill_tokens)
+        engine.runner.piecewise = PiecewiseGraphRunner(engine.runner, max_tokens, capture=False)
     steps = Steps(engine)
     pw = engine.runner.piecewise
     engine.runner.keep_states = True
@@ -150,15 +163,16 @@ def main() -> None:
         row, slots = steps.request(n)
         cases.append((f"prefill {n}", [(row, slots, 0, n)]))
     mixed = [tuple(int(x) for x in spec.split("+")) for spec in a.mixed.split(",")]
-    decodes = [steps.request(DECODE_CONTEXT + 1) for _ in range(max(d for d, _ in mixed))]
+    decodes = [steps.request(a.decode_context + 1) for _ in range(max(d for d, _ in mixed))]
     steps.runner.piecewise = None
     for i in range(0, len(decodes), 4):  # their context, written once (eagerly, 4 requests a step)
-        steps.runner.forward_hidden(steps.batch([(r, s, 0, DECODE_CONTEXT) for r, s in decodes[i:i + 4]]))
+        steps.runner.forward_hidden(steps.batch([(r, s, 0, a.decode_context) for r, s in decodes[i:i + 4]]))
     for d, c in mixed:
         row, slots = steps.request(c)
-        cases.append((f"mixed {d}+{c}", [(r, s, DECODE_CONTEXT, 1) for r, s in decodes[:d]] + [(row, slots, 0, c)]))
+        parts = [(r, s, a.decode_context, 1) for r, s in decodes[:d]] + [(row, slots, 0, c)]
+        cases.append((f"mixed {d}+{c}", parts))
     if a.profile:
-        print(f"piecewise mixed steps, {a.shape} bf16, {hardware()}: ms per step")
+        print(f"piecewise mixed steps, {a.shape} {str(dtype)[6:]}, {hardware()}: ms per step")
         print(f"{'step':>18} {'wall':>7} {'host':>7} {'attend host':>12} {'replays host':>13} {'GPU kernels':>12} sites")
         for name, parts in cases:
             if name.startswith("mixed"):
@@ -184,7 +198,8 @@ def main() -> None:
             with open(a.json, "a") as f:
                 f.write(json.dumps(r) + "\n")
     mode = "deterministic" if a.deterministic else "default"
-    print(f"\npiecewise CUDA graphs, {a.shape} bf16, {mode} mode, {hardware()}")
+    graphs = "CUDA graphs" if pw.capture else "pieces run eagerly (no CUDA graphs)"
+    print(f"\npiecewise {graphs}, {a.shape} {str(dtype)[6:]}, {mode} mode, {hardware()}")
     print(f"{'step':>18} {'tokens':>6} {'graph':>6} {'eager ms':>9} {'pieces ms':>9} {'x':>5}  bit-identical")
     for r in rows:
         print(f"{r['step']:>18} {r['tokens']:>6} {r['padded_to']:>6} {r['eager_ms']:>9.3f} {r['piecewise_ms']:>9.3f} "

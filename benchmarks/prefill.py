@@ -1,5 +1,9 @@
 """Prefill of one long prompt on a random-weight Gemma 3 shape: tokens/s and model FLOP
-utilisation against the bf16 matmul rate measured first (8192^3 GEMM)."""
+utilisation against the matmul rate measured first (an 8192^3 bf16 GEMM on the GPU).
+
+    python benchmarks/prefill.py [--shape 4b] [--tokens 8192] [--repeats 3]
+    python benchmarks/prefill.py --smoke     # tiny CPU run (CI)
+"""
 
 from __future__ import annotations
 
@@ -11,18 +15,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hardware, now, random_model  # noqa: E402
+from common import bench_device, bench_dtype, hardware, now, parse_args, random_model  # noqa: E402
 
 
-def matmul_peak(dev: torch.device) -> float:
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+def matmul_peak(dev: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
     for _ in range(3):
         a @ b
     t = now(dev)
     for _ in range(10):
         a @ b
-    return 10 * 2 * 8192**3 / (now(dev) - t)
+    return 10 * 2 * n**3 / (now(dev) - t)
 
 
 def prefill_flops(loaded, n: int) -> float:
@@ -40,23 +44,26 @@ def prefill_flops(loaded, n: int) -> float:
     return flops
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4b")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
-    a = ap.parse_args()
+    ap.add_argument("--peak-size", type=int, default=8192, help="N of the N^3 GEMM measuring the matmul rate")
+    a = parse_args(ap, argv, smoke=dict(shape="tiny", tokens=96, repeats=1, peak_size=128))
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
 
-    dev = torch.device("cuda")
-    peak = matmul_peak(dev)
-    loaded = random_model(a.shape, dev, torch.bfloat16)
-    engine = Engine(loaded, device=dev, dtype=torch.bfloat16, max_running_requests=4,
+    dev = bench_device(a.smoke)
+    dtype = bench_dtype(dev)
+    peak = matmul_peak(dev, dtype, a.peak_size)
+    loaded = random_model(a.shape, dev, dtype)
+    engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=4,
                     max_context=a.tokens + 8, max_prefill_tokens=a.tokens)
+    vocab = min(200000, loaded.config.vocab_size)
     times = []
     for i in range(a.repeats + 1):
-        engine.add_request(f"p{i}", torch.randint(10, 200000, (a.tokens,)).tolist(),
+        engine.add_request(f"p{i}", torch.randint(10, vocab, (a.tokens,)).tolist(),
                            SamplingParams(temperature=0, max_tokens=1))
         t = now(dev)
         while engine.has_unfinished():

@@ -7,9 +7,8 @@ against a cache that kept SWA K/V for every cached token (table + one JSON line 
     # H100, random weights in the Gemma 3 1B / 4B shapes (a config-only dir; --shape writes one)
     PYTHONPATH=. python benchmarks/prefix_cache.py --shape 1b --load-format dummy
     PYTHONPATH=. python benchmarks/prefix_cache.py --model DIR --load-format dummy --request-rate 20
-    # CPU smoke on a tiny config
-    PYTHONPATH=. python benchmarks/prefix_cache.py --shape tiny --load-format dummy --device cpu \\
-        --system-len 96 --num-questions 8 --chats 3 --turns 3 --docs 3 --doc-len 80 --max-tokens 8
+    # tiny CPU run (CI): --shape tiny --device cpu --system-len 96 --num-questions 8 --chats 3 ...
+    PYTHONPATH=. python benchmarks/prefix_cache.py --smoke
 """
 
 from __future__ import annotations
@@ -21,28 +20,10 @@ import os
 import platform
 import random
 import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-
-def make_model_dir(shape: str) -> str:
-    """A config-only Gemma 3 directory (weights come from --load-format dummy)."""
-    path = os.path.join(tempfile.gettempdir(), f"swaserve-prefix-{shape}")
-    os.makedirs(path, exist_ok=True)
-    if shape == "tiny":
-        from transformers import Gemma3TextConfig
-
-        Gemma3TextConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=32,
-                         max_position_embeddings=4096).save_pretrained(path)
-    else:
-        from benchmarks.common import hf_config
-
-        hf_config(shape, max_positions=16384).save_pretrained(path)
-    return path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import empty_cache, model_dir, parse_args  # noqa: E402
 
 
 def system_workload(args, rng) -> list[tuple[float, list[int], int]]:
@@ -133,15 +114,10 @@ def run(args, engine_opts: dict, workload: str) -> dict:
         row.update(cached_tokens=cache.full_cached, cached_swa_tokens=cache.swa_cached, branches=branches,
                    mib_per_branch=round(held / branches / 2**20, 2),
                    mib_per_branch_all_swa=round(every / branches / 2**20, 2))
+    device = engine.device
     del engine
     gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
+    empty_cache(device)
     return row
 
 
@@ -149,10 +125,11 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * q / 100))] if xs else float("nan")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF directory (config only with --load-format dummy)")
-    p.add_argument("--shape", help="write a config-only Gemma 3 dir of this shape (1b, 4b, ..., tiny) and use it")
+    p.add_argument("--shape", help="write a config-only dir of this shape (1b, 4b, ..., tiny: "
+                   "benchmarks/common.py) and use it")
     p.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -168,11 +145,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = parse_args(p, argv, smoke=dict(shape="tiny", device="cpu", system_len=96, num_questions=8, chats=3,
+                                          turns=3, docs=3, doc_len=80, max_tokens=8))
     if args.model is None:
         if args.shape is None:
             p.error("give --model DIR or --shape SHAPE")
-        args.model = make_model_dir(args.shape)
+        args.model = model_dir(args.shape)
     import torch
 
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -6,6 +6,7 @@ request per step (1 + accepted drafts), the share of drafts accepted, and mean s
     # GPU, random weights in the Gemma 3 1B / 4B shapes: n-gram and a self-draft (the target drafting for
     # itself: every draft is accepted, so this is the mechanism's upper bound on acceptance and its cost)
     PYTHONPATH=. python benchmarks/speculative.py --shape 1b --methods plain,ngram,draft --batch-sizes 1,8,32
+    PYTHONPATH=. python benchmarks/speculative.py --smoke     # tiny random model on the CPU (CI)
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import random
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import empty_cache, model_dir, parse_args  # noqa: E402
 
 CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
         "def mul(a, b):\n    return a * b\n\n")
@@ -66,7 +67,7 @@ def run(engine, prompts: list, max_tokens: int) -> dict:
             "step_ms": 1000 * decode_s / max(steps, 1), "generated": gen}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF / HF dir (default: embedded, or --shape)")
     ap.add_argument("--shape", default=None, help="1b, 4b, mimo-6l (benchmarks/common.py): a config-only dir with "
@@ -77,16 +78,15 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-tokens", type=int, default=4, help="speculative_num_tokens (K)")
-    args = ap.parse_args()
+    args = parse_args(ap, argv, smoke=dict(shape="tiny", device="cpu", methods="plain,ngram,draft",
+                                           batch_sizes="2", max_tokens=8, num_tokens=2))
     import torch
 
     from swaserve.engine import Engine
 
     model, opts = args.model, {"max_running_requests": 64}
     if args.shape:
-        from benchmarks.prefix_cache import make_model_dir
-
-        model, opts["load_format"] = make_model_dir(args.shape), "dummy"
+        model, opts["load_format"] = model_dir(args.shape), "dummy"
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     hw = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
     print(f"# {hw}, torch {torch.__version__}, model {args.shape or args.model or 'embedded'}, K={args.num_tokens}, "
@@ -107,8 +107,7 @@ def main() -> None:
                 print(json.dumps({"method": method, "workload": kind, "bs": bs, **row}), flush=True)
         del engine
         gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+        empty_cache(torch.device(dev))
     print(f"\n{'method':7} {'workload':9} {'bs':>3} {'tok/s':>9} {'speedup':>8} {'tok/step':>8} {'accept':>7} {'step ms':>8}")
     for (method, kind, bs), r in results.items():
         base = results.get(("plain", kind, bs))
