@@ -1,20 +1,29 @@
 """Host time per launch (no sync in between) of the attention kernels an eager step calls once per
 layer, against a plain torch op and an empty Triton kernel with as many arguments: what a piecewise
 mixed step's eager attention costs the host on this machine. Shapes: Gemma-3-1B (4 query heads, 1
-KV head, head dim 256), a mixed step of 40 decodes (700-token prefixes) and a 280-token prompt."""
+KV head, head dim 256), a mixed step of 40 decodes (700-token prefixes) and a 280-token prompt.
+
+    python benchmarks/launch_overhead.py [--calls 300]
+    python benchmarks/launch_overhead.py --smoke     # tiny shapes, Triton's interpreter on the CPU (CI)
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hardware  # noqa: E402
+from common import bench_device, hardware, parse_args, sync  # noqa: E402
+
+# isort: split
+# after common: --smoke picks Triton's interpreter before triton is imported
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit
@@ -23,24 +32,31 @@ def _empty(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
     pass
 
 
-def per_call_us(fn, n: int = 300) -> float:
-    for _ in range(20):
+def per_call_us(fn, dev: torch.device, n: int = 300) -> float:
+    for _ in range(min(20, n)):
         fn()
-    torch.cuda.synchronize()
+    sync(dev)
     t = time.perf_counter()
     for _ in range(n):
         fn()
     host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
+    sync(dev)
     return host
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=300, help="timed calls of each launch")
+    ap.add_argument("--heads", default="4,1,256", help="query heads, K/V heads, head dim")
+    ap.add_argument("--mixed", default="40,700,280", help="decodes, their prefix length, prompt tokens")
+    ap.add_argument("--slots", type=int, default=100_000, help="K/V pool slots")
+    a = parse_args(ap, argv, smoke=dict(calls=1, heads="2,1,32", mixed="2,16,8", slots=512))
     from swaserve.kernels import decode_attention, extend_attention
 
-    dev = torch.device("cuda")
-    H, HKV, D, slots = 4, 1, 256, 100_000
-    dec, ctx, chunk = 40, 700, 280
+    dev = bench_device(a.smoke)
+    H, HKV, D = (int(x) for x in a.heads.split(","))
+    dec, ctx, chunk = (int(x) for x in a.mixed.split(","))
+    slots = a.slots
     k_buf = torch.randn(slots, HKV, D, device=dev, dtype=torch.bfloat16)
     v_buf = torch.randn_like(k_buf)
     T = dec + chunk
@@ -68,7 +84,9 @@ def main() -> None:
     ]
     print(f"launch overhead, {hardware()}, triton {triton.__version__}")
     for name, fn in rows:
-        print(f"  {name:<48} {per_call_us(fn):7.1f} us host per call")
+        us = per_call_us(fn, dev, a.calls)
+        print(json.dumps({"launch": name, "host_us_per_call": round(us, 1)}))
+        print(f"  {name:<48} {us:7.1f} us host per call", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ batch sizes, with a small sweep of launch settings. Prints µs per call and the 
 logits (near-ties: the two compute the dot products in different orders).
 
     python benchmarks/lm_head_sweep.py [--quick] [--hidden 1152,2560] [--batch-sizes 1,64,256]
+    python benchmarks/lm_head_sweep.py --smoke     # tiny, Triton's interpreter on the CPU (CI)
 """
 
 from __future__ import annotations
@@ -18,43 +19,48 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_us, hardware  # noqa: E402
+from common import bench_device, graph_us, hardware, parse_args  # noqa: E402
 
 from swaserve.kernels.lm_head_argmax import launch_settings, lm_head_argmax  # noqa: E402
 
-VOCAB = 262144  # Gemma 3
+VOCAB = 262144  # Gemma 3 (--vocab)
 
 
 def library(x: torch.Tensor, w: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    return torch.mm(x, w.t(), out_dtype=torch.float32, out=logits).argmax(-1)
+    if x.is_cuda:
+        return torch.mm(x, w.t(), out_dtype=torch.float32, out=logits).argmax(-1)
+    return logits.copy_(torch.mm(x, w.t())).argmax(-1)  # the CPU has no float32-out GEMM (as LMHead)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", default="1152,2560", help="hidden sizes (Gemma 3 1B, 4B)")
     ap.add_argument("--batch-sizes", default="1,16,64,128,256")
     ap.add_argument("--quick", action="store_true", help="default launch settings only")
-    args = ap.parse_args()
+    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--calls", type=int, default=4, help="calls per captured graph")
+    args = parse_args(ap, argv, smoke=dict(hidden="64", batch_sizes="3", vocab=300, calls=1, quick=True))
+    dev = bench_device(args.smoke)
     print(f"# {hardware()}")
     print("# top: [us, block_m, block_n, block_k, num_warps, num_stages], fastest first")
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     grid = [] if args.quick else [dict(zip(keys, v)) for v in
                                   itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4))]
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=dev).manual_seed(0)
     table = []
     for hidden in (int(h) for h in args.hidden.split(",")):
-        w = torch.randn(VOCAB, hidden, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+        w = torch.randn(args.vocab, hidden, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
         wbytes = w.numel() * 2
         for bs in (int(b) for b in args.batch_sizes.split(",")):
-            x = torch.randn(bs, hidden, device="cuda", generator=g, dtype=torch.bfloat16)
-            logits = torch.empty(bs, VOCAB, device="cuda", dtype=torch.float32)
+            x = torch.randn(bs, hidden, device=dev, generator=g, dtype=torch.bfloat16)
+            logits = torch.empty(bs, args.vocab, device=dev, dtype=torch.float32)
             ref = library(x, w, logits)
-            lib_us = graph_us(lambda i, x=x, w=w, lg=logits: library(x, w, lg), calls=4)
+            lib_us = graph_us(lambda i, x=x, w=w, lg=logits: library(x, w, lg), calls=args.calls)
             results = []
             for kw in grid or [launch_settings(bs)]:
                 try:
                     got = lm_head_argmax(x, w, **kw)
-                    us = graph_us(lambda i, x=x, w=w, kw=kw: lm_head_argmax(x, w, **kw), calls=4)
+                    us = graph_us(lambda i, x=x, w=w, kw=kw: lm_head_argmax(x, w, **kw), calls=args.calls)
                 except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory)
                     print(f"# hidden {hidden} bs {bs} {kw}: {type(e).__name__}")
                     continue

@@ -6,6 +6,7 @@ hits, counted from the ids, plus x and the output) and the fraction of the measu
 also the pair sort and the combine alone, so the two GEMMs' share is the rest. JSON lines, then a table.
 
     python benchmarks/moe_kernel.py [--tokens 1,16,64,256] [--calls 10]
+    python benchmarks/moe_kernel.py --smoke     # a tiny expert shape, Triton's interpreter on the CPU (CI)
 """
 
 from __future__ import annotations
@@ -18,29 +19,27 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, graph_us, hardware  # noqa: E402
+from common import bench_device, copy_bandwidth, graph_us, hardware, parse_args  # noqa: E402
 
-H, E, K, I = 2816, 128, 8, 704
+SHAPE = "2816,128,8,704"  # hidden, experts, top-k, expert intermediate: Gemma-4-26B-A4B
 
 
-def expected_experts_hit(n: int) -> float:
+def expected_experts_hit(n: int, E: int, K: int) -> float:
     """Distinct experts among n tokens' top-k picks under uniform routing."""
     return E * (1 - (1 - K / E) ** n)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,16,64,256", help="comma-separated token counts n")
     ap.add_argument("--calls", type=int, default=10, help="calls captured in one graph (distinct routings)")
-    return ap.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
+    ap.add_argument("--shape", default=SHAPE, help="HIDDEN,EXPERTS,TOP_K,INTERMEDIATE")
+    a = parse_args(ap, argv, smoke=dict(tokens="1,5", calls=1, shape="64,8,2,32"))
+    H, E, K, I = (int(x) for x in a.shape.split(","))
     from swaserve.kernels.fused_moe import _block_m, align_pairs, combine, fused_moe
     from swaserve.kernels.pdl import pdl_supported
 
-    dev = torch.device("cuda")
+    dev = bench_device(a.smoke)
     bw = copy_bandwidth(dev)
     print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; PDL {'on' if pdl_supported() else 'off'}",
           flush=True)
@@ -63,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         comb = graph_us(lambda i: combine(ys, ws[i], None, torch.bfloat16), calls=a.calls)
         hit = sum(int(torch.unique(i).numel()) for i in ids) / a.calls
         nbytes = hit * per_expert + 2 * n * H * xs[0].element_size()  # hit experts' weights, x in, out
-        r = dict(tokens=n, experts_hit=round(hit, 1), experts_expected=round(expected_experts_hit(n), 1),
+        r = dict(tokens=n, experts_hit=round(hit, 1),
+                 experts_expected=round(expected_experts_hit(n, E, K), 1),
                  block_m=bm, us=round(us, 1), align_us=round(align, 1), combine_us=round(comb, 1),
                  mb=round(nbytes / 1e6, 1), gb_per_s=round(nbytes / us / 1e3, 1),
                  roofline_us=round(nbytes / bw * 1e6, 1), roofline_frac=round(nbytes / bw / (us * 1e-6), 3))

@@ -5,6 +5,7 @@ Prints achieved weight bandwidth (weight bytes ÷ time).
 
     python benchmarks/skinny_gemm_sweep.py [--quick] [--shapes 1b,4b] [--batch-sizes 1,16,64]
         [--projs qkv,o,gate_up,down,gated]
+    python benchmarks/skinny_gemm_sweep.py --smoke     # tiny shapes, Triton's interpreter on the CPU (CI)
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_us  # noqa: E402
+from common import bench_device, graph_us, parse_args  # noqa: E402
 
-# hidden, q heads, kv heads, head dim, intermediate
-MODELS = {"1b": (1152, 4, 1, 256, 6912), "4b": (2560, 8, 4, 256, 10240), "12b": (3840, 16, 8, 256, 15360)}
-STREAM_BYTES = 256 << 20  # weight copies cycled per graph so nothing is served from L2
+# hidden, q heads, kv heads, head dim, intermediate (tiny: --smoke)
+MODELS = {"1b": (1152, 4, 1, 256, 6912), "4b": (2560, 8, 4, 256, 10240), "12b": (3840, 16, 8, 256, 15360),
+          "tiny": (64, 2, 1, 32, 128)}
+STREAM_BYTES = 256 << 20  # weight copies cycled per graph so nothing is served from L2 (--stream-mb)
 
 
 def projections(model: str) -> dict[str, tuple[int, int]]:
@@ -31,10 +33,11 @@ def projections(model: str) -> dict[str, tuple[int, int]]:
             "down": (hidden, inter)}
 
 
-def weight_copies(N: int, K: int, g: torch.Generator) -> list[torch.Tensor]:
-    """Enough bf16 [N, K] weights to cycle through STREAM_BYTES, so each call streams from HBM."""
-    return [torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
-            for _ in range(max(2, STREAM_BYTES // (N * K * 2)))]
+def weight_copies(N: int, K: int, g: torch.Generator, stream_bytes: int = STREAM_BYTES) -> list[torch.Tensor]:
+    """Enough bf16 [N, K] weights (on `g`'s device) to cycle through `stream_bytes`, so each call streams
+    from HBM."""
+    return [torch.randn(N, K, device=g.device, generator=g, dtype=torch.bfloat16) * 0.02
+            for _ in range(max(2, stream_bytes // (N * K * 2)))]
 
 
 def result_row(model: str, proj: str, N: int, K: int, M: int, cublas: float, results: list, default_key) -> dict:
@@ -51,15 +54,16 @@ def result_row(model: str, proj: str, N: int, K: int, M: int, cublas: float, res
     return row
 
 
-def gated_case(model: str, N: int, K: int, batch_sizes: list[int], configs) -> list[dict]:
+def gated_case(model: str, N: int, K: int, batch_sizes: list[int], configs, dev: torch.device,
+               stream_bytes: int) -> list[dict]:
     from swaserve.kernels.activation import act_and_mul
     from swaserve.kernels.skinny_gemm import skinny_gated_gemm
 
-    ws = weight_copies(N, K, torch.Generator(device="cuda").manual_seed(0))
+    ws = weight_copies(N, K, torch.Generator(device=dev).manual_seed(0), stream_bytes)
     rows = []
     for M in batch_sizes:
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         cublas = graph_us(lambda i, x=x, out=out: act_and_mul(torch.mm(x, ws[i].T, out=out), "gelu_tanh"), len(ws))
         results = []
         for bn, bk, stages, warps in configs:
@@ -74,19 +78,21 @@ def gated_case(model: str, N: int, K: int, batch_sizes: list[int], configs) -> l
     return rows
 
 
-def case(model: str, proj: str, N: int, K: int, batch_sizes: list[int], configs, num_sms: int) -> list[dict]:
+def case(model: str, proj: str, N: int, K: int, batch_sizes: list[int], configs, dev: torch.device,
+         stream_bytes: int) -> list[dict]:
+    from swaserve.kernels.common import num_sms
     from swaserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_splits
 
-    ws = weight_copies(N, K, torch.Generator(device="cuda").manual_seed(0))
+    ws = weight_copies(N, K, torch.Generator(device=dev).manual_seed(0), stream_bytes)
     rows = []
     for M in batch_sizes:
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         cublas = graph_us(lambda i, x=x, out=out: torch.mm(x, ws[i].T, out=out), len(ws))
         results = []
         for bn, bk, stages, warps, mult in configs:
-            splits = max(1, int(skinny_gemm_splits(N, K, num_sms, bn, bk) * mult))
-            part = torch.empty((splits, M, N) if splits > 1 else (M, N), device="cuda",
+            splits = max(1, int(skinny_gemm_splits(N, K, num_sms(dev), bn, bk) * mult))
+            part = torch.empty((splits, M, N) if splits > 1 else (M, N), device=dev,
                                dtype=torch.float32 if splits > 1 else torch.bfloat16)
             try:
                 us = graph_us(lambda i, x=x, s=splits, bn=bn, bk=bk, warps=warps, stages=stages, part=part: skinny_gemm(
@@ -99,14 +105,16 @@ def case(model: str, proj: str, N: int, K: int, batch_sizes: list[int], configs,
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="1b,4b")
+    ap.add_argument("--shapes", default="1b,4b", help=f"of {','.join(MODELS)}")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--projs", default="qkv,o,gate_up,down,gated")
     ap.add_argument("--quick", action="store_true", help="the default launch settings only")
-    args = ap.parse_args()
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ap.add_argument("--stream-mb", type=int, default=STREAM_BYTES >> 20, help="weight copies per graph")
+    args = parse_args(ap, argv, smoke=dict(shapes="tiny", batch_sizes="3", quick=True, stream_mb=0))
+    dev = bench_device(args.smoke)
+    stream_bytes = args.stream_mb << 20
     if args.quick:
         configs = [(64, 128, 4, 4, 1.0)]
     else:
@@ -120,9 +128,10 @@ def main() -> None:
     for model in args.shapes.split(","):
         for proj, (N, K) in projections(model).items():
             if proj in projs:
-                rows += case(model, proj, N, K, batch_sizes, configs, num_sms)
+                rows += case(model, proj, N, K, batch_sizes, configs, dev, stream_bytes)
         if "gated" in projs:
-            rows += gated_case(model, *projections(model)["gate_up"], batch_sizes, gated_configs)
+            N, K = projections(model)["gate_up"]
+            rows += gated_case(model, N, K, batch_sizes, gated_configs, dev, stream_bytes)
     print(f"\n{'model':5} {'proj':8} {'M':>4} {'cuBLAS us':>9} {'TB/s':>5} {'ours us':>8} {'TB/s':>5} "
           f"{'default':>8}  best (bn bk stages warps splits)  partials MB")
     for r in rows:

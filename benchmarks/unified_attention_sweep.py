@@ -8,6 +8,7 @@ values read once ÷ time).
 
     python benchmarks/unified_attention_sweep.py [--shapes 1b,4b,12b] [--batch-sizes 1,8,64,256]
     python benchmarks/unified_attention_sweep.py --extend   # prefill programs vs extend_attention
+    python benchmarks/unified_attention_sweep.py --smoke [--extend]   # tiny, Triton's interpreter (CI)
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_us  # noqa: E402
+from common import bench_device, empty_cache, graph_us, hardware, parse_args  # noqa: E402
+
+# isort: split
+# after common: --smoke picks Triton's interpreter before triton is imported
+import triton  # noqa: E402
 
 from swaserve.kernels import decode_attention, extend_attention, num_kv_splits_for  # noqa: E402
 from swaserve.kernels.common import num_sms  # noqa: E402
@@ -31,30 +36,42 @@ from swaserve.kernels.unified_attention import (  # noqa: E402
     unified_config,
 )
 
-SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256)}  # heads, kv heads, head dim
+# heads, kv heads, head dim (tiny: --smoke)
+SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256), "tiny": (2, 1, 32)}
 SETTINGS = [(16, 4, 2), (16, 4, 3), (16, 8, 2), (64, 4, 2)]
-REPS = 4  # calls per captured graph, each over its own keys so the data does not sit in L2
-MAX_CONTEXT, CTX, WINDOW = 4096, 1024, 512
 EXTEND_SETTINGS = [(64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 3)]
-PREFILL_REQS, PREFILL_LEN = 4, 2048
 
 
-def case(shape: str, bs: int, window: int | None) -> dict:
+@dataclass(frozen=True)
+class Sizes:
+    """The case sizes: keys per request, the table's width and the window (decode); prefill requests x
+    new tokens (--extend); calls per captured graph, each over its own keys so the data does not sit in L2."""
+
+    ctx: int = 1024
+    max_context: int = 4096
+    window: int = 512
+    prefill_reqs: int = 4
+    prefill_len: int = 2048
+    calls: int = 4
+
+
+def case(shape: str, bs: int, window: int | None, dev: torch.device, z: Sizes) -> dict:
     H, HKV, D = SHAPES[shape]
-    g = torch.Generator(device="cuda").manual_seed(0)
+    REPS, CTX, MAX_CONTEXT = z.calls, z.ctx, z.max_context
+    g = torch.Generator(device=dev).manual_seed(0)
     slots = REPS * bs * CTX + 1
-    k_buf = torch.randn(slots, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
-    v_buf = torch.randn(slots, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
-    q = torch.randn(bs, H, D, device="cuda", generator=g).to(torch.bfloat16)
-    out = torch.empty(bs, H, D, device="cuda", dtype=torch.bfloat16)
-    perm = (torch.randperm(slots - 1, device="cuda", generator=g) + 1).to(torch.int32).view(REPS, bs, CTX)
-    tables = torch.zeros(REPS, bs + 1, MAX_CONTEXT, dtype=torch.int32, device="cuda")
+    k_buf = torch.randn(slots, HKV, D, device=dev, generator=g).to(torch.bfloat16)
+    v_buf = torch.randn(slots, HKV, D, device=dev, generator=g).to(torch.bfloat16)
+    q = torch.randn(bs, H, D, device=dev, generator=g).to(torch.bfloat16)
+    out = torch.empty(bs, H, D, device=dev, dtype=torch.bfloat16)
+    perm = (torch.randperm(slots - 1, device=dev, generator=g) + 1).to(torch.int32).view(REPS, bs, CTX)
+    tables = torch.zeros(REPS, bs + 1, MAX_CONTEXT, dtype=torch.int32, device=dev)
     tables[:, 1:, :CTX] = perm
-    rows = torch.arange(1, bs + 1, device="cuda")
-    seq = torch.full((bs,), CTX, dtype=torch.int32, device="cuda")
-    qo = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
+    rows = torch.arange(1, bs + 1, device=dev)
+    seq = torch.full((bs,), CTX, dtype=torch.int32, device=dev)
+    qo = torch.arange(bs + 1, dtype=torch.int32, device=dev)
     # Sliding layers read through full_to_swa (here a permutation of the same slots: the extra gather).
-    f2s = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), perm.flatten()]) if window else None
+    f2s = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), perm.flatten()]) if window else None
     keys = min(CTX, window or CTX)
     nbytes = 2 * bs * keys * HKV * D * 2
 
@@ -69,7 +86,7 @@ def case(shape: str, bs: int, window: int | None) -> dict:
 
     # The default mode's kernel, on the same keys as lists (its SWA layers read SWA slots directly).
     lists = perm[:, :, CTX - keys:].reshape(REPS, -1)
-    indptr = torch.arange(0, bs * keys + 1, keys, device="cuda", dtype=torch.int32)
+    indptr = torch.arange(0, bs * keys + 1, keys, device=dev, dtype=torch.int32)
     splits = num_kv_splits_for(bs, H, HKV, keys, num_sms(q.device))
     default = graph_us(lambda i: decode_attention(q, k_buf, v_buf, indptr, lists[i], out, D**-0.5,
                                                   num_kv_splits=splits), REPS)
@@ -100,27 +117,27 @@ def case(shape: str, bs: int, window: int | None) -> dict:
                 programs=programs, settings=timed)
 
 
-def extend_case(shape: str, window: int | None) -> dict:
-    """A prefill of PREFILL_REQS requests x PREFILL_LEN new tokens (no prefix): `unified_attention`'s
+def extend_case(shape: str, window: int | None, dev: torch.device, z: Sizes) -> dict:
+    """A prefill of `prefill_reqs` requests x `prefill_len` new tokens (no prefix): `unified_attention`'s
     extend programs over EXTEND_SETTINGS against the default mode's `extend_attention`."""
     H, HKV, D = SHAPES[shape]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    R, N = PREFILL_REQS, PREFILL_LEN
+    g = torch.Generator(device=dev).manual_seed(0)
+    R, N = z.prefill_reqs, z.prefill_len
     T = R * N
-    k_buf = torch.randn(T + 1, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
-    v_buf = torch.randn(T + 1, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
-    q = torch.randn(T, H, D, device="cuda", generator=g).to(torch.bfloat16)
-    out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
-    perm = (torch.randperm(T, device="cuda", generator=g) + 1).to(torch.int32).view(R, N)
-    table = torch.zeros(R + 1, MAX_CONTEXT, dtype=torch.int32, device="cuda")
+    k_buf = torch.randn(T + 1, HKV, D, device=dev, generator=g).to(torch.bfloat16)
+    v_buf = torch.randn(T + 1, HKV, D, device=dev, generator=g).to(torch.bfloat16)
+    q = torch.randn(T, H, D, device=dev, generator=g).to(torch.bfloat16)
+    out = torch.empty(T, H, D, device=dev, dtype=torch.bfloat16)
+    perm = (torch.randperm(T, device=dev, generator=g) + 1).to(torch.int32).view(R, N)
+    table = torch.zeros(R + 1, z.max_context, dtype=torch.int32, device=dev)
     table[1:, :N] = perm
-    rows = torch.arange(1, R + 1, device="cuda")
-    seq = torch.full((R,), N, dtype=torch.int32, device="cuda")
-    qo = torch.arange(0, T + 1, N, dtype=torch.int32, device="cuda")
-    f2s = torch.arange(T + 1, dtype=torch.int32, device="cuda") if window else None
+    rows = torch.arange(1, R + 1, device=dev)
+    seq = torch.full((R,), N, dtype=torch.int32, device=dev)
+    qo = torch.arange(0, T + 1, N, dtype=torch.int32, device=dev)
+    f2s = torch.arange(T + 1, dtype=torch.int32, device=dev) if window else None
     flat = perm.flatten().long()
     k_new, v_new = k_buf[flat].contiguous(), v_buf[flat].contiguous()
-    zeros = torch.zeros(R + 1, dtype=torch.int32, device="cuda")
+    zeros = torch.zeros(R + 1, dtype=torch.int32, device=dev)
     default = graph_us(lambda i: extend_attention(q, k_new, v_new, out, k_buf, v_buf, qo, zeros, zeros[:1],
                                                   zeros[:R], D**-0.5, max_extend_len=N, window=window), 1)
     timed = {}
@@ -140,27 +157,36 @@ def extend_case(shape: str, window: int | None) -> dict:
                 best_us=timed[best], settings=timed)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="1b,4b,12b")
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1b,4b,12b", help=f"of {','.join(SHAPES)}")
     ap.add_argument("--batch-sizes", default="1,8,64,256")
     ap.add_argument("--extend", action="store_true", help="time extend (prefill) programs instead")
-    args = ap.parse_args()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, context {CTX}, "
-          f"max_context {MAX_CONTEXT}")
+    d = Sizes()
+    ap.add_argument("--context", type=int, default=d.ctx, help="keys per request (decode)")
+    ap.add_argument("--max-context", type=int, default=d.max_context, help="the request table's width")
+    ap.add_argument("--window", type=int, default=d.window, help="sliding layers' window")
+    ap.add_argument("--prefill", default=f"{d.prefill_reqs}x{d.prefill_len}", help="--extend: REQSxTOKENS")
+    ap.add_argument("--calls", type=int, default=d.calls, help="calls per graph, each over its own keys")
+    args = parse_args(ap, argv, smoke=dict(shapes="tiny", batch_sizes="2", context=48, max_context=128,
+                                           window=16, prefill="2x40", calls=1))
+    dev = bench_device(args.smoke)
+    reqs, tokens = (int(x) for x in args.prefill.split("x"))
+    z = Sizes(args.context, args.max_context, args.window, reqs, tokens, args.calls)
+    print(f"# {hardware()}, bf16, context {z.ctx}, max_context {z.max_context}")
     if args.extend:
         for shape in args.shapes.split(","):
-            for window in (None, WINDOW):
-                print(json.dumps(extend_case(shape, window)), flush=True)
+            for window in (None, z.window):
+                print(json.dumps(extend_case(shape, window, dev, z)), flush=True)
         return
     rows = []
     for shape in args.shapes.split(","):
         for bs in map(int, args.batch_sizes.split(",")):
-            for window in (None, WINDOW):
-                r = case(shape, bs, window)
+            for window in (None, z.window):
+                r = case(shape, bs, window, dev, z)
                 print(json.dumps(r), flush=True)
                 rows.append(r)
-                torch.cuda.empty_cache()
+                empty_cache(dev)
     print(f"\n{'shape':<5} {'bs':>4} {'layer':<8} {'default':>8} {'rule':>8} {'rule/def':>8} {'TB/s':>5}  "
           f"{'block':>7} {'chunk':>7} {'request':>7} {'req s2':>7} {'2gather':>7} {'no_map':>7}  "
           f"{'programs':<8} {'launch':<8} best")
