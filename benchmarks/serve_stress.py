@@ -5,6 +5,7 @@ no request is running and both KV pools are back to zero slots used (read from /
 
     python benchmarks/serve_stress.py --launch --model DIR --load-format dummy --num-requests 200 --concurrency 128
     python benchmarks/serve_stress.py --base-url http://127.0.0.1:8000 --window 512
+    python benchmarks/serve_stress.py --smoke     # a tiny random model served on the CPU (CI)
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import model_dir, parse_args  # noqa: E402
 
 
 def launch_server(flags: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
@@ -47,7 +50,7 @@ def launch_server(flags: list[str], timeout: float) -> tuple[subprocess.Popen, s
                 return proc, base
         except httpx.TransportError:
             pass
-        time.sleep(1)
+        time.sleep(0.2)
     proc.kill()
     raise SystemExit(f"server not healthy after {timeout:.0f} s")
 
@@ -113,8 +116,8 @@ async def drive(a: argparse.Namespace, base: str) -> list[Outcome]:
         # Prompts from far below the window to 3x past it; outputs long enough to cross it again.
         plen = rng.choice([rng.randint(8, W // 2), rng.randint(W - 4, W + 4), rng.randint(W, 3 * W)])
         kind = "disconnect" if rng.random() < a.disconnect_fraction else ("plain" if rng.random() < 0.3 else "stream")
-        jobs.append(([rng.randint(1000, 200000) for _ in range(plen)], rng.randint(8, a.max_tokens), kind,
-                     rng.randint(1, 8)))
+        prompt = [rng.randint(1000, a.max_token_id) for _ in range(plen)]
+        jobs.append((prompt, rng.randint(8, a.max_tokens), kind, rng.randint(1, 8)))
     sem = asyncio.Semaphore(a.concurrency)
     limits = httpx.Limits(max_connections=a.concurrency + 8, max_keepalive_connections=a.concurrency + 8)
     async with httpx.AsyncClient(base_url=base, timeout=a.timeout, limits=limits) as client:
@@ -135,12 +138,13 @@ def pool_usage(base: str) -> dict[str, float]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="a running server (default: launch one with --launch)")
     p.add_argument("--launch", action="store_true", help="start `swaserve serve` with the flags after --")
     p.add_argument("--model", default=None)
     p.add_argument("--load-format", default=None)
+    p.add_argument("--device", default=None, help="the launched server's device")
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=128)
     p.add_argument("--window", type=int, default=1024, help="the model's sliding window (prompt lengths cross it)")
@@ -148,9 +152,14 @@ def main() -> int:
     p.add_argument("--disconnect-fraction", type=float, default=0.1)
     p.add_argument("--timeout", type=float, default=600, help="per request, seconds")
     p.add_argument("--launch-timeout", type=float, default=900)
+    p.add_argument("--max-token-id", type=int, default=200000, help="prompt token ids are 1000..this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("server_args", nargs="*", help="extra `swaserve serve` flags (after --)")
-    a = p.parse_args()
+    a = parse_args(p, argv, smoke=dict(launch=True, load_format="dummy", device="cpu", num_requests=12,
+                                       concurrency=6, window=32, max_tokens=8, max_token_id=20000,
+                                       launch_timeout=300))
+    if a.smoke and a.model is None:
+        a.model = model_dir("tiny", tokenizer="words")
     proc = None
     base = a.base_url
     if a.launch:
@@ -159,6 +168,8 @@ def main() -> int:
             extra += ["--model", a.model]
         if a.load_format:
             extra += ["--load-format", a.load_format]
+        if a.device:
+            extra += ["--device", a.device]
         proc, base = launch_server(extra, a.launch_timeout)
     assert base, "--base-url or --launch"
     try:

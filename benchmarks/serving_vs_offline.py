@@ -1,22 +1,25 @@
-"""Served vs offline on one request set: the engine driven in-process (the offline baseline, with the same
-arrival times), then `python -m swaserve.server` under a lean SSE load generator (several client
-processes), streaming and not. Reports output tok/s, TTFT / ITL / TPOT / E2E p50 and p99, the
-served/offline ratio, and the load generator's CPU use (table + one JSON line per row).
+"""The serving benchmark: one request set through an OpenAI-compatible server, from a lean SSE load
+generator in several client processes (so the number is the server's, not the client's), streaming and
+not; and the same set through the engine in-process (the offline baseline, with the same arrival
+times). Reports output tok/s, TTFT / ITL / TPOT / E2E p50 and p99, the served/offline ratio, the load
+generator's CPU use and, for a server it launched, the server processes' CPU and where TTFT goes
+(table + one JSON line per row).
 
     # the issue's H100 set: 256 requests, prompts 102-1024 token ids, 51-512 outputs, ignore_eos
     python benchmarks/serving_vs_offline.py --model /path/to/gemma3-1b-random --num-requests 256
     python benchmarks/serving_vs_offline.py --model DIR --request-rate 40          # Poisson arrivals
-    python benchmarks/serving_vs_offline.py --num-requests 8 --max-tokens 16 --input-len 16,64   # CPU smoke
+    # a server that is already running (any OpenAI-compatible one): served rows only
+    python benchmarks/serving_vs_offline.py --base-url http://127.0.0.1:8000 --concurrency 64
+    python benchmarks/serving_vs_offline.py --smoke        # tiny random model on the CPU (CI)
     python benchmarks/serving_vs_offline.py --make-random-model 1b DIR             # a random Gemma 3 dir
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
-import multiprocessing as mp
+import math
 import os
 import platform
 import random
@@ -30,9 +33,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# No torch here (benchmarks.common imports it inside the functions): the load generator's processes
+# import this module when they start, and must be up before the clock starts.
 from benchmarks import ttft_breakdown  # noqa: E402
+from benchmarks.load_client import Timing, run_served, warm_up  # noqa: E402
 from benchmarks.ttft_breakdown import pct  # noqa: E402
-from benchmarks.load_client import Timing, client_proc, one_request  # noqa: E402
 
 
 def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int, float]]:
@@ -102,30 +107,13 @@ def run_offline(args: argparse.Namespace, reqs: list, engine_opts: dict,
     duration = time.monotonic() - start
     if trace is not None:
         trace.close()
+    from benchmarks.common import empty_cache
+
+    device = engine.device
     del engine
     gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
+    empty_cache(device)
     return timings, duration
-
-
-def _cpu_seconds(pid: int) -> tuple[float, float]:
-    """(main thread, whole process) CPU seconds of `pid` (Linux /proc; zeros elsewhere)."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def stat(path: str) -> float:
-        try:
-            fields = open(path).read().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    return stat(f"/proc/{pid}/task/{pid}/stat"), stat(f"/proc/{pid}/stat")
 
 
 def server_processes(server_pid: int) -> dict[str, int]:
@@ -149,57 +137,6 @@ def server_processes(server_pid: int) -> dict[str, int]:
     for i, pid in enumerate(frontends):
         procs["frontend" if i == 0 else f"frontend{i}"] = pid
     return procs
-
-
-def warm_up(url: str, model: str, reqs: list, n: int) -> None:
-    """`n` streaming requests at once on new connections, so every frontend process behind the port
-    (the kernel spreads connections over them) has served one before the clock starts."""
-    body = {"model": model, "max_tokens": 4, "ignore_eos": True, "temperature": 0, "stream": True}
-    bodies = [json.dumps({**body, "prompt": reqs[i % len(reqs)][0][:32]}).encode() for i in range(n)]
-
-    async def main() -> list[Timing]:
-        return await asyncio.gather(*(one_request(url, b, True, time.monotonic()) for b in bodies))
-
-    failed = [t.error for t in asyncio.run(main()) if t.error]
-    if failed:
-        raise SystemExit(f"warm-up request failed: {failed[0]}")
-
-
-def run_served(args: argparse.Namespace, base: str, model: str, reqs: list, stream: bool,
-               server: dict[str, int] | None = None) -> tuple[list[Timing], float, float, dict[str, float]]:
-    """Every request through the server from `--clients` processes; (timings, duration, client CPU s,
-    CPU % of one core used meanwhile by each process in `server`: main thread and whole process)."""
-    server = server or {}
-    cpu0 = {name: _cpu_seconds(pid) for name, pid in server.items()}
-    wall0 = time.monotonic()
-    ctx = mp.get_context("spawn")
-    start = time.monotonic() + 1.0 + 0.2 * args.clients  # the clients' start-up happens before t0
-    shares: list[list] = [[] for _ in range(args.clients)]
-    for i, (ids, n, at) in enumerate(reqs):
-        shares[i % args.clients].append((i, ids, n, at))
-    pipes, procs = [], []
-    for share in shares:
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=client_proc, args=(base + "/completions", model, share, stream, start, child))
-        p.start()
-        pipes.append(parent)
-        procs.append(p)
-    timings: list[Timing] = [Timing() for _ in reqs]
-    cpu = 0.0
-    for share, pipe, p in zip(shares, pipes, procs):
-        got, used = pipe.recv()
-        cpu += used
-        for (i, *_), t in zip(share, got):
-            timings[i] = Timing(**t)
-        p.join()
-    wall = time.monotonic() - wall0
-    server_cpu = {}
-    for name, pid in server.items():
-        (m0, t0), (m1, t1) = cpu0[name], _cpu_seconds(pid)
-        server_cpu[f"{name}_main_cpu_pct"] = 100 * (m1 - m0) / wall
-        server_cpu[f"{name}_cpu_pct"] = 100 * (t1 - t0) / wall
-    duration = max(t.end for t in timings) - min(t.arrival for t in timings)
-    return timings, duration, cpu, server_cpu
 
 
 def summarize(name: str, timings: list[Timing], duration: float, client_cpu: float | None = None) -> dict:
@@ -232,11 +169,13 @@ def print_table(rows: list[dict], offline_tps: float) -> None:
         # main threads (the event loop; the busy loop): one near 100% is the bottleneck
         server = (f"{r['frontend_main_cpu_pct']:.0f}%/{r.get('core_main_cpu_pct', float('nan')):.0f}%"
                   if "frontend_main_cpu_pct" in r else "-")
-        print(f"{r['path']:<30}{r['output_tok_s']:>10.0f}{100 * r['output_tok_s'] / offline_tps:>8.0f}%"
+        of_offline = "-" if math.isnan(offline_tps) else f"{100 * r['output_tok_s'] / offline_tps:.0f}%"
+        print(f"{r['path']:<30}{r['output_tok_s']:>10.0f}{of_offline:>9}"
               f"{pair('ttft'):>18}{pair('itl'):>16}{pair('tpot'):>16}{pair('e2e', 1000.0):>16}{cpu:>11}{server:>16}{r['failed']:>6}")
 
 
 def launch(args: argparse.Namespace, engine_flags: list[str], trace_prefix: str) -> tuple[subprocess.Popen, str]:
+    """`python -m swaserve.server` on a free port with this run's model and engine flags; (process, URL)."""
     cmd = [sys.executable, "-m", "swaserve.server", "--port", "0", "--stream-interval", str(args.stream_interval),
            "--api-server-count", str(args.api_server_count)]
     for flag in ("model", "device", "dtype"):
@@ -254,59 +193,66 @@ def launch(args: argparse.Namespace, engine_flags: list[str], trace_prefix: str)
 
 
 def make_random_model(shape: str, path: str) -> None:
-    """An HF directory of Gemma 3 `shape` with random weights (transformers' own init, bf16) and the
-    embedded model's tokenizer, for `--model`."""
-    import torch
-    from transformers import Gemma3ForCausalLM
+    """An HF directory of `shape` (benchmarks/common.py) with random weights (transformers' own init, bf16)
+    and the embedded model's tokenizer, for `--model`."""
+    from benchmarks.common import hf_config, write_model_dir
 
-    from benchmarks.common import gemma3_hf_config
-    from swaserve.tokenizer import Tokenizer
-
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(gemma3_hf_config(shape)).to(torch.bfloat16)
-    model.save_pretrained(path)
-    Tokenizer.load(None).hf.save_pretrained(path)
-    print(f"wrote a random-weight Gemma 3 {shape} directory to {path}")
+    write_model_dir(path, hf_config(shape), weights=True, tokenizer="embedded")
+    print(f"wrote a random-weight {shape} directory to {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import model_dir, parse_args
     from swaserve.options import add_engine_flags, engine_options
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--base-url", default=None,
+                   help="a running server (http://HOST:PORT or .../v1) instead of launching one; modes "
+                        "default to stream, and the offline modes (if asked for) run --model here")
+    p.add_argument("--api-key", default=os.environ.get("SWASERVE_API_KEY"), help="bearer token (--base-url)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--input-len", default="102,1024", help="LO,HI prompt token ids per request (uniform)")
     p.add_argument("--output-len", default="51,512", help="LO,HI output tokens per request (uniform)")
     p.add_argument("--max-tokens", type=int, default=None, help="fixed output length (overrides --output-len)")
     p.add_argument("--token-id-range", default="1000,20000")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals, req/s (default: all at once)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="served: at most this many requests in flight (split evenly over --clients; "
+                        "default: no limit)")
     p.add_argument("--clients", type=int, default=4, help="load-generator processes")
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--api-server-count", type=int, default=1, help="frontend processes of the served runs")
-    p.add_argument("--modes", default="generate,offline,stream,nonstream",
-                   help="generate: offline with finished-only outputs (LLM.generate's way, the ratio's base); "
-                        "offline: every step's outputs read (per-token timings)")
+    p.add_argument("--modes", default=None,
+                   help="of generate,offline,stream,nonstream (default: all; stream with --base-url). "
+                        "generate: offline with finished-only outputs (LLM.generate's way, the ratio's "
+                        "base); offline: every step's outputs read (per-token timings)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-cache", action="store_true",
                    help="keep the prefix cache on (off by default: each mode resends the same prompts, and this "
                         "benchmark measures serving overhead, not cache hits)")
     p.add_argument("--output-json", default=None)
-    p.add_argument("--make-random-model", nargs=2, metavar=("SHAPE", "DIR"), help="write a random Gemma 3 dir and exit")
+    p.add_argument("--make-random-model", nargs=2, metavar=("SHAPE", "DIR"),
+                   help="write a random-weight dir of a benchmarks/common.py shape (1b, 4b, ...) and exit")
     add_engine_flags(p)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, smoke=dict(device="cpu", load_format="dummy", num_requests=6, input_len="8,40",
+                                          max_tokens=5, request_rate=50.0, concurrency=4, clients=2))
     if args.make_random_model:
         make_random_model(*args.make_random_model)
         return 0
+    if args.smoke and args.model is None and args.base_url is None:
+        args.model = model_dir("tiny", tokenizer="words")
+    if args.concurrency is not None and args.concurrency < args.clients:
+        p.error("--concurrency must be at least --clients")
+    modes = (args.modes or ("stream" if args.base_url else "generate,offline,stream,nonstream")).split(",")
     opts = engine_options(args)
-    engine_flags = [a for a in (argv if argv is not None else sys.argv[1:]) if a]  # forwarded: engine flags only
-    engine_flags = _engine_flags_only(p, engine_flags)
+    engine_flags = _engine_flags(p, args)  # the launched server gets this run's engine flags
     if not args.prefix_cache:
         opts["disable_prefix_cache"] = True
         engine_flags.append("--disable-prefix-cache")
     reqs = make_requests(args)
-    modes = args.modes.split(",")
     rows: list[dict] = []
     if "generate" in modes:
         timings, duration = run_offline(args, reqs, opts, finished_only=True)
@@ -323,21 +269,32 @@ def main(argv: list[str] | None = None) -> int:
         if {"stream", "nonstream"} & set(modes):
             import httpx
 
-            proc, url = launch(args, engine_flags, trace_prefix)
+            if args.base_url:
+                url = re.sub(r"/(v1/?)?$", "", args.base_url)
+            else:
+                proc, url = launch(args, engine_flags, trace_prefix)
             deadline = time.monotonic() + 1800
             while httpx.get(url + "/health", timeout=5).status_code != 200:
-                if time.monotonic() > deadline or proc.poll() is not None:
+                if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
                     raise SystemExit("server did not become healthy")
                 time.sleep(0.2)
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            warm_up(url + "/v1/completions", model, reqs, 4 * args.api_server_count)  # as offline's warm-up
+            auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            listed = httpx.get(url + "/v1/models", headers=auth, timeout=10)
+            if listed.status_code != 200:
+                raise SystemExit(f"GET {url}/v1/models: HTTP {listed.status_code} {listed.text[:200]} "
+                                 "(--api-key?)")
+            model = listed.json()["data"][0]["id"]
+            # as offline's warm-up
+            warm_up(url + "/v1/completions", model, reqs, 4 * args.api_server_count, args.api_key)
+            server = server_processes(proc.pid) if proc is not None else None
             for mode in ("stream", "nonstream"):
                 if mode in modes:
                     timings, duration, cpu, server_cpu = run_served(
-                        args, url + "/v1", model, reqs, mode == "stream", server_processes(proc.pid))
+                        url + "/v1", model, reqs, mode == "stream", args.clients, server, args.api_key,
+                        args.concurrency)
                     rows.append(summarize(f"served, {'streaming' if mode == 'stream' else 'non-streaming'}",
                                           timings, duration, cpu) | server_cpu)
-                    if mode == "stream":
+                    if mode == "stream" and proc is not None:  # the request trace of the server it launched
                         breakdowns[rows[-1]["path"]] = (timings, None)
     finally:
         if proc is not None:
@@ -345,11 +302,14 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=120)
     # The base: offline with finished-only outputs where run (LLM.generate's throughput), else per-token.
     offline_tps = rows[0]["output_tok_s"] if rows and rows[0]["path"].startswith("offline") else float("nan")
-    config = {k: getattr(args, k) for k in ("model", "num_requests", "input_len", "output_len", "max_tokens",
-                                            "clients", "stream_interval", "api_server_count", "seed")}
+    config = {k: getattr(args, k) for k in ("model", "base_url", "num_requests", "input_len", "output_len",
+                                            "max_tokens", "concurrency", "clients", "stream_interval",
+                                            "api_server_count", "seed")}
     config["request_rate"] = None if args.request_rate == float("inf") else args.request_rate
     config["engine_options"] = opts
-    hardware = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": _device_name(args.device)}
+    remote_only = args.base_url and not {"generate", "offline"} & set(modes)
+    device = f"server at {args.base_url}" if remote_only else _device_name(args.device)
+    hardware = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device}
     print(f"serving_vs_offline: {hardware}\nconfig: {config}")
     print_table(rows, offline_tps)
     for path, stages in breakdowns.items():  # served: joined once the server has closed its traces
@@ -358,8 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         next(r for r in rows if r["path"] == path)["ttft_breakdown"] = ttft_breakdown.print_breakdown(path, stages)
     trace_dir.cleanup()
     for r in rows:
+        of_offline = None if math.isnan(offline_tps) else r["output_tok_s"] / offline_tps
         line = json.dumps({"benchmark": "serving_vs_offline", "hardware": hardware, "config": config,
-                           "of_offline": r["output_tok_s"] / offline_tps, **r})
+                           "of_offline": of_offline, **r})
         print(line)
         if args.output_json:
             with open(args.output_json, "a") as f:
@@ -367,19 +328,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
-def _engine_flags_only(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """The engine flags (and their values) out of this command line, to start the server with."""
-    engine = {s for g in parser._action_groups if g.title == "engine" for a in g._group_actions for s in a.option_strings}
-    out, i = [], 0
-    while i < len(argv):
-        flag = argv[i].split("=", 1)[0]
-        if flag in engine:
-            out.append(argv[i])
-            takes = parser._option_string_actions[flag].nargs != 0
-            if takes and "=" not in argv[i] and i + 1 < len(argv):
-                out.append(argv[i + 1])
-                i += 1
-        i += 1
+def _engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The engine flags this run was given (on the command line or by --smoke), to start the server with."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for group in parser._action_groups:
+        if group.title != "engine":
+            continue
+        for action in group._group_actions:
+            value = getattr(args, action.dest, None)
+            if value is None or action.dest in seen or not action.option_strings:
+                continue
+            seen.add(action.dest)  # a flag's aliases share its dest and come after it
+            flag = action.option_strings[0]
+            if isinstance(action, argparse.BooleanOptionalAction):
+                out.append(flag if value else action.option_strings[1])
+            elif action.nargs == 0:  # store_true
+                out += [flag] if value else []
+            else:
+                out += [flag, str(value)]
     return out
 
 
