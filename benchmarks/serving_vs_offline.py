@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "max_tokens", "concurrency", "clients", "stream_interval",
                                             "api_server_count", "seed")}
     config["request_rate"] = None if args.request_rate == float("inf") else args.request_rate
-    config["engine_options"] = opts
     remote_only = args.base_url and not {"generate", "offline"} & set(modes)
+    config["engine_options"] = None if remote_only else opts  # a running server's are its own
     device = f"server at {args.base_url}" if remote_only else _device_name(args.device)
     hardware = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device}
     print(f"serving_vs_offline: {hardware}\nconfig: {config}")
