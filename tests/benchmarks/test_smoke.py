@@ -59,7 +59,7 @@ def test_every_module_is_a_script_with_a_smoke_mode_or_a_helper() -> None:
             f"benchmarks/{path.name} is neither a script (no __main__ block) nor a helper listed in HELPERS")
         assert "smoke=" in text or '"--smoke"' in text, (
             f"benchmarks/{path.name} has no --smoke mode: parse its flags with common.parse_args(ap, argv, "
-            "smoke={...}) and give the smoke run tiny sizes (see benchmarks/NOTES.md, 'Smoke runs')")
+            "smoke={...}) and give the smoke run tiny sizes (benchmarks/NOTES.md, issue 34)")
 
 
 @pytest.mark.parametrize("name,extra", runs(), ids=[" ".join([n, *e]) for n, e in runs()])
