@@ -15,7 +15,8 @@
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
-# (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo. Logs in $OUT/<step>.log;
+# (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 34: svo_url (the
+# serving benchmark against a server it did not launch, --base-url). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -174,6 +175,20 @@ for step in "${steps[@]}"; do
             d=$(model_dir_ctx "$shape")
             run "$step" 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
                 --num-requests 256 --modes generate,stream --clients 8 --api-server-count 2 ${SERVED_ARGS:-} ;;
+        svo_url)  # issue 34: serving_vs_offline.py --base-url (a running server): issue 21's set, 256 at once
+            d=$(model_dir 1b)
+            python3 -m swaserve serve --model "$d" --load-format dummy --port 8765 --disable-prefix-cache \
+                > "$OUT/svo_url_server.log" 2>&1 &
+            srv=$!
+            python3 -c "import time, httpx
+for _ in range(900):
+    try:
+        if httpx.get('http://127.0.0.1:8765/health', timeout=2).status_code == 200: break
+    except httpx.TransportError: pass
+    time.sleep(1)"
+            run svo_url 300 python3 benchmarks/serving_vs_offline.py --base-url http://127.0.0.1:8765 \
+                --num-requests 256 --modes stream,nonstream --clients 8 ${SVO_ARGS:-}
+            kill "$srv"; wait "$srv" ;;
         capacity)
             run capacity 170 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
         *) echo "unknown step $step" ;;
