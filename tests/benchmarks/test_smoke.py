@@ -12,6 +12,7 @@ process (this one, a server's frontend and engine core, the load generator's) on
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -78,6 +79,7 @@ def test_smoke_run(name: str, extra: list[str], capsys: pytest.CaptureFixture[st
         code = e.code or 0
     finally:
         torch.set_num_threads(threads)
+        gc.collect()  # the run's engines and pools, before the next script builds its own
     out = capsys.readouterr().out
     assert code == 0, f"{name} {' '.join(extra)} --smoke exited with {code}:\n{out[-3000:]}"
     lines = [line for line in out.splitlines() if line.startswith("{")]
