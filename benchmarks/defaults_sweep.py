@@ -7,15 +7,16 @@ requests, prompts of 102-1024 random token ids, 51-512 outputs, all arriving at 
     python benchmarks/defaults_sweep.py --shape gemma4-26b-a4b --budgets auto,2048 --running auto,64,128,256
     python benchmarks/defaults_sweep.py --smoke                         # CPU: a tiny shape, seconds
 
-One engine per step budget, built for the largest running limit of the sweep (its request table and
-decode graphs cover every limit); each limit then runs the set on it (the scheduler's limit set between
-runs). A table and one JSON line per point; the last line says whether `auto` reaches 90% of the best.
+One engine per step budget, built with the default running limit (rebuilt for the sweep's largest
+where that is larger: its request table and decode graphs must cover every limit); each limit then runs
+the set on it (the scheduler's limit set between runs). A table and one JSON line per point; the last line says whether `auto` reaches 90% of the best.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import random
 import sys
@@ -70,24 +71,24 @@ def run_set(engine, reqs: list[tuple[list[int], int]], tag: str) -> dict:
 
 
 def sweep_budget(model_dir: str, budget: str, running: list[str], reqs: list, device: str, dtype: str) -> list[dict]:
-    from swaserve.config import SchedulerConfig
     from swaserve.engine import Engine
-    from swaserve.runner.memory_budget import device_memory_gib
-    from swaserve.sizing import resolve_running
 
     limits = [int(r) for r in running if r != "auto"]
     opts = {"disable_prefix_cache": True, "load_format": "dummy"}
     if budget != "auto":
         opts["max_prefill_tokens"] = int(budget)
-    # The largest limit of the sweep sizes the table and graphs; `auto` is what this plan would choose.
-    probe = Engine(model_dir, device=device, dtype=dtype, detokenize=False, **opts, max_running_requests=max(limits or [1]))
-    gib = device_memory_gib(probe.device)
-    auto = resolve_running(SchedulerConfig(), probe.device.type, gib, probe.plan)[0].max_running_requests
-    largest = max([*limits, auto])
-    if largest > probe.scheduler.config.max_running_requests:
-        del probe
-        probe = Engine(model_dir, device=device, dtype=dtype, detokenize=False, **opts, max_running_requests=largest)
-    engine = probe
+    # Built with the default limit; rebuilt for the sweep's largest where that is larger, so the request
+    # table and the decode graphs cover every limit of the sweep.
+    engine = Engine(model_dir, device=device, dtype=dtype, detokenize=False, **opts)
+    auto = engine.scheduler.config.max_running_requests
+    if max(limits, default=0) > auto:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        engine = Engine(model_dir, device=device, dtype=dtype, detokenize=False, **opts,
+                        max_running_requests=max(limits))
     step_tokens = engine.scheduler.config.max_prefill_tokens
     print(f"== budget {budget} ({step_tokens} tokens): {engine.startup_line()}", flush=True)
     run_set(engine, reqs[:8], "warmup")  # compiles the set's prompt shapes outside the timing
@@ -99,7 +100,9 @@ def sweep_budget(model_dir: str, budget: str, running: list[str], reqs: list, de
                **run_set(engine, reqs, f"b{budget}-n{r}")}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    del engine, probe
+    engine.close()
+    del engine
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
