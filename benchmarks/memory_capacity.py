@@ -27,7 +27,8 @@ def run_mode(loaded, dev, dtype, hybrid: bool, kv_bytes: int, ctx: int, new_toke
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
 
-    engine = Engine(loaded, device=dev, dtype=dtype, kv_cache_bytes=kv_bytes, max_context=ctx,
+    # The pools split for this workload's requests: every one is `ctx` tokens long.
+    engine = Engine(loaded, device=dev, dtype=dtype, kv_cache_bytes=kv_bytes, max_context=ctx, plan_request_tokens=ctx,
                     max_running_requests=48, max_prefill_tokens=prefill, disable_hybrid_swa=not hybrid)
     theory = engine.plan.max_concurrent_requests(ctx)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
