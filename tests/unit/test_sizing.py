@@ -109,3 +109,23 @@ def test_every_batch_up_to_the_running_limit_has_a_graph_with_little_padding(max
         assert raw <= 64 or bs - raw < raw / 4
         assert raw <= 256 or bs - raw < raw / 8
     assert len(capture_batch_sizes(1024)) <= 39  # capture time stays small at the largest tier
+
+
+def test_the_engine_states_what_it_chose_and_keeps_what_was_given(tmp_path):
+    from transformers import Gemma3TextConfig
+
+    from swaserve.engine import Engine
+
+    Gemma3TextConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16, sliding_window=8, max_position_embeddings=256,
+                     layer_types=["sliding_attention", "full_attention"]).save_pretrained(tmp_path)
+    e = Engine(str(tmp_path), device="cpu", load_format="dummy", kv_cache_bytes=1 << 20)
+    assert (e.scheduler.config.max_running_requests, e.scheduler.config.max_prefill_tokens) == (64, 2048)
+    line = e.startup_line()
+    assert "running limit 64 (CPU)" in line and "step budget 2048 tokens (CPU)" in line
+    assert "pools split for 256-token requests" in line and "KV cache hybrid" in line
+    e = Engine(str(tmp_path), device="cpu", load_format="dummy", kv_cache_bytes=1 << 20, max_running_requests=5,
+               max_prefill_tokens=100, plan_request_tokens=64)
+    assert (e.scheduler.config.max_running_requests, e.scheduler.config.max_prefill_tokens) == (5, 100)
+    assert e._runtime.req_to_token.max_reqs == 6  # the limit + 1 rows: the table is sized from the resolved limit
+    assert "(given)" in e.startup_line() and "pools split for 64-token requests" in e.startup_line()
