@@ -31,6 +31,10 @@ FAST_PATHS = {"SWASERVE_SKINNY_GEMM": "1", "SWASERVE_PDL": "1", "SWASERVE_FUSED_
 # run's own contention), to pack tests into jobs of about TARGET_S seconds and start the longest first.
 DURATIONS = ROOT / "scripts" / "gpu_check_durations.json"
 TARGET_S = 40.0
+# The quick benchmarks (step e), in order, alone on the first GPU after the tests.
+BENCHMARKS = [("e_decode_bench", ["benchmarks/decode.py", "--quick"]),
+              ("f_offline_bench", ["benchmarks/offline_throughput.py", "--num-requests", "128"])]
+BENCH_RESERVE_S = 150.0
 # Files whose tests hold a large model (fp32 real-shape cuts next to HF's copy): one at a time per GPU.
 HEAVY = ("test_gemma4_vs_hf.py", "test_mimo_v2_flash_vs_hf.py", "test_gpt_oss_vs_hf.py", "test_gemma3_1b_vs_hf.py")
 
@@ -271,9 +275,11 @@ def main() -> int:
             continue
         (multi if s.gpus > 1 else jobs).extend(make_jobs(s, collected[s.name], known))
     print(f"== {len(jobs)} single-GPU jobs, {len(multi)} multi-GPU jobs", flush=True)
-    run_pool(jobs, gpus, a.slots_per_gpu, out, deadline)
+    # The benchmarks run last and alone: the tests leave them BENCH_RESERVE_S of the budget.
+    tests_deadline = deadline - (BENCH_RESERVE_S if "e" in a.steps.split(",") else 0)
+    run_pool(jobs, gpus, a.slots_per_gpu, out, tests_deadline)
     for job in multi:  # they see every GPU: after the pool, one at a time
-        run_job(job, gpus, out, deadline)
+        run_job(job, gpus, out, tests_deadline)
     every = jobs + multi
     times = {k: v for j in every for k, v in j.result.get("times", {}).items()}
     (out / "test_times.json").write_text(json.dumps(times, indent=0, sort_keys=True))
@@ -294,17 +300,16 @@ def main() -> int:
         for j in bad:
             print(f"   !! {j.key}: rc={j.result.get('rc')} (log: {out}/{s.name}.log)")
     if "e" in a.steps.split(","):
-        left = deadline - time.time()
-        r = run_bench("e_decode_bench", [sys.executable, "benchmarks/decode.py", "--quick"], out, left - 5, gpus)
-        rows["e_decode_bench"] = {**r, "note": f"rc={r['rc']}"}
-        print("== decode benchmark (tail)\n" + "\n".join(r["tail"]))
+        for name, cmd in BENCHMARKS:
+            r = run_bench(name, [sys.executable, *cmd], out, deadline - time.time() - 5, gpus)
+            rows[name] = {**r, "note": f"rc={r['rc']}: {r['tail'][-1][:90] if r['tail'] else ''}"}
+            print(f"== {name} (tail)\n" + "\n".join(r["tail"][-8:]), flush=True)
     print(f"\n== summary: {time.time() - t0:.0f}s in all, {len(gpus)} GPU(s), logs in {out}")
     print(f"{'step':<16} | {'result':<7} | {'passed':>6} | {'failed':>6} | {'errors':>6} | {'skipped':>7} | "
           f"{'seconds':>7} | note")
     failed = False
     for name, r in rows.items():
-        ok = r.get("rc") in (0, "skip")
-        failed |= not ok and r.get("rc") != "skip"
+        failed |= r.get("rc") not in (0, "skip")
         print(f"{name:<16} | {'PASS' if r.get('rc') == 0 else ('SKIP' if r.get('rc') == 'skip' else 'FAIL'):<7} | "
               f"{r.get('passed', '-'):>6} | {r.get('failed', '-'):>6} | {r.get('errors', '-'):>6} | "
               f"{r.get('skipped', '-'):>7} | {r.get('seconds', '-'):>7} | {r.get('note', '')}")
