@@ -1,6 +1,7 @@
 """Fused MoE experts on the GPU: (token, slot) pairs sorted into per-expert blocks without a host sync
-(`align_pairs`), then two grouped GEMMs over those blocks, the gated activation fused into the first,
-and a fixed-order combine (`fused_moe`). Capturable in a CUDA graph: every buffer is sized from n."""
+(`align_pairs`), then two grouped GEMMs over those blocks (`kernels.moe_gemm`: dense or MXFP4 weights,
+optional biases, the gated activation fused into the first), and a fixed-order combine (`fused_moe`).
+Capturable in a CUDA graph: every buffer is sized from n."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.kernels.activation import ACTS, gated_act
-from swaserve.kernels.common import _dot, dot_flags, jit_per_batch, num_sms
+from swaserve.kernels.common import jit_per_batch, num_sms
+from swaserve.kernels.moe_gemm import MOE_ACTS, moe_gemm
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 # Up to this many pairs (n * k) one program sorts them (`_align_kernel`: one launch, the decode case);
@@ -126,51 +127,6 @@ def _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K: tl.constexpr, HAS_VALI
     return tl.where(ok, tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32), -1)
 
 
-@jit_per_batch("num_pairs")
-def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_pairs, block_expert,
-    num_pairs, n_out, n_in, stride_am, stride_we, stride_wn, stride_om,
-    A_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """out[pair, cols] = a[row(pair)] @ w[e, cols].T for the block's expert e; with GATED, w holds gate
-    rows [0, n_out) and up rows [n_out, 2 n_out) and out = act(gate) * up. row(pair) is the token
-    (pair // TOP_K) when A_PER_TOKEN, else the pair itself."""
-    pdl_enter(USE_PDL)
-    b = tl.program_id(0)
-    e = tl.load(block_expert + b).to(tl.int64)
-    if e < 0:
-        return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pairs + rows).to(tl.int64)
-    row_ok = pair < num_pairs
-    a_row = pair // TOP_K if A_PER_TOKEN else pair
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_out
-    ks = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + a_row[:, None] * stride_am
-    w_base = w_ptr + e * stride_we + cols[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        k_ok = (k0 + ks) < n_in
-        a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += _dot(a, w, UPCAST, PREC)
-        if GATED:
-            wu = tl.load(w_base + n_out * stride_wn + (k0 + ks)[:, None],
-                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc_up += _dot(a, wu, UPCAST, PREC)
-    ty = out_ptr.dtype.element_ty
-    if GATED:
-        # Rounded as F.linear's outputs and the torch activation would be.
-        y = gated_act(acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32), ty, ACT)
-    else:
-        y = acc.to(ty)
-    tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
-
-
 @triton.jit
 def _combine_kernel(
     y_ptr, w_ptr, out_ptr, valid_ptr, n_cols, stride_y, stride_out,
@@ -192,7 +148,6 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block: the smallest tile that holds a typical expert's pairs (mean + 3 sd of a uniform
     routing) in one block, so a memory-bound call reads each hit expert's weights once (decode wastes
@@ -204,57 +159,55 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 def fused_moe(
     x: torch.Tensor,  # [n, H]
-    w_gate_up: torch.Tensor,  # [E, 2I, H], gate rows first
-    w_down: torch.Tensor,  # [E, H, I]
-    topk_weights: torch.Tensor,  # [n, k] float32
+    w_gate_up: torch.Tensor,  # [E, 2I, H], gate rows first; MXFP4: [E, 2I, H/32, 16] uint8 codes
+    w_down: torch.Tensor,  # [E, H, I]; MXFP4: [E, H, I/32, 16] uint8 codes
+    topk_weights: torch.Tensor,  # [n, k] float
     topk_ids: torch.Tensor,  # [n, k] int
-    activation: str,  # "silu", "gelu" or "gelu_tanh"
+    activation: str,  # "silu", "gelu", "gelu_tanh" or "swiglu_oai" (GPT-OSS: needs alpha and limit)
     row_valid: torch.Tensor | None = None,  # [n] bool
     block_m: int | None = None,
     batch_invariant: bool = False,  # one tiling for every n (deterministic mode)
+    *,
+    gate_up_scales: torch.Tensor | None = None,  # [E, 2I, H/32] uint8 e8m0: w_gate_up is MXFP4
+    down_scales: torch.Tensor | None = None,  # [E, H, I/32] uint8 e8m0: w_down is MXFP4
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I], gate first
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    alpha: float | None = None,  # swiglu_oai's sigmoid gain
+    limit: float | None = None,  # swiglu_oai's clamp
+    block_k: int | None = None,  # inputs per GEMM step (default: kernels.moe_gemm's per format)
 ) -> torch.Tensor:  # [n, H], x's dtype
     """sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], summed over j in order
     in float32; rows with `row_valid` False are 0. Four launches, none of them waiting on the host.
+    Biases, when given, are added to each GEMM's output before the activation / the combine.
     `batch_invariant`: 64-row blocks and 64-column tiles whatever n (no K split either way), so a
     token's expert outputs do not depend on how many tokens share the call."""
-    if activation not in ACTS:
-        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(ACTS)}")
+    if activation not in MOE_ACTS:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(MOE_ACTS)}")
+    if activation == "swiglu_oai" and (alpha is None or limit is None):
+        raise ValueError("the swiglu_oai activation needs alpha and limit")
     n, H = x.shape
-    E, two_i, _ = w_gate_up.shape
+    E, two_i = w_gate_up.shape[:2]
     inter = two_i // 2
     k = topk_ids.shape[1]
-    assert w_gate_up.shape == (E, 2 * inter, H), w_gate_up.shape
-    assert w_down.shape == (E, H, inter), w_down.shape
-    assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
+    assert w_down.shape[:2] == (E, H), (w_down.shape, E, H)
     assert topk_weights.shape == topk_ids.shape == (n, k), (topk_weights.shape, topk_ids.shape)
     if n == 0:
         return torch.zeros_like(x)
     bm = block_m or (64 if batch_invariant else _block_m(n * k, E))
     sorted_pairs, block_expert = align_pairs(topk_ids, E, bm, row_valid)
-    blocks = block_expert.numel()
     h = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
     y = torch.empty(n * k, H, dtype=x.dtype, device=x.device)  # [pairs, H]
-    bn, bk = 64, 64
-    warps = 4
-    upcast, prec = dot_flags(x.dtype)
-    pdl = pdl_kwargs(x)
+    bn = 64
     # Few tokens (decode) hit few experts: narrower column tiles of the first GEMM keep enough programs
     # streaming the active experts' weights to fill the GPU (bs 1 on an H100: 8 experts, 88 -> 352).
     bn1, active = bn, min(E, n * k)
     while not batch_invariant and bn1 > 16 and active * triton.cdiv(inter, bn1) < 2 * num_sms(x.device):
         bn1 //= 2
-    _moe_gemm_kernel[(blocks, triton.cdiv(inter, bn1))](
-        x, w_gate_up, h, sorted_pairs, block_expert, n * k, inter, H,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
-        A_PER_TOKEN=True, TOP_K=k, GATED=True, ACT=ACTS[activation], BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk,
-        UPCAST=upcast, PREC=prec, num_warps=warps, **pdl,
-    )
-    _moe_gemm_kernel[(blocks, triton.cdiv(H, bn))](
-        h, w_down, y, sorted_pairs, block_expert, n * k, H, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
-        A_PER_TOKEN=False, TOP_K=k, GATED=False, ACT=0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=upcast, PREC=prec, num_warps=warps, **pdl,
-    )
+    act = {"alpha": 1.0 if alpha is None else alpha, "limit": 0.0 if limit is None else limit}
+    moe_gemm(x, w_gate_up, gate_up_scales, gate_up_bias, h, sorted_pairs, block_expert, n * k, top_k=k,
+             a_per_token=True, gated=True, activation=activation, **act, block_m=bm, block_n=bn1, block_k=block_k)
+    moe_gemm(h, w_down, down_scales, down_bias, y, sorted_pairs, block_expert, n * k, top_k=k,
+             a_per_token=False, gated=False, block_m=bm, block_n=bn, block_k=block_k)
     return combine(y, topk_weights, row_valid, x.dtype)
 
 

@@ -1,45 +1,55 @@
-"""`moe_experts`: a token's top-k expert MLPs (Gemma 4 layout: stacked, output-major, no bias) weighted
-and summed. CUDA runs the sorted grouped-GEMM kernels (`kernels.fused_moe`); other devices, and the
-tests' oracle, run `moe_experts_reference`, a plain loop over the experts that got tokens."""
+"""`moe_experts`: a token's top-k expert MLPs (stacked, output-major, gate rows first; dense or MXFP4,
+optional per-expert biases) weighted and summed. CUDA runs the sorted grouped-GEMM kernels
+(`kernels.fused_moe`); other devices, and the tests' oracle, run `moe_experts_reference`, a plain loop
+over the experts that got tokens (MXFP4 experts dequantised at use, one expert at a time)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from swaserve.layers import mxfp4
 from swaserve.layers.activation import get_activation
 
-# Names as `kernels.activation.ACTS` spells them -> the HF activation computing the same function.
+# Names as `kernels.moe_gemm.MOE_ACTS` spells them -> the HF activation computing the same function.
 _REFERENCE_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
 def moe_experts(
     x: torch.Tensor,  # [n, H]
-    w_gate_up: torch.Tensor,  # [E, 2I, H], gate rows first
-    w_down: torch.Tensor,  # [E, H, I]
-    topk_weights: torch.Tensor,  # [n, k] float32
+    w_gate_up: torch.Tensor,  # [E, 2I, H], gate rows first; MXFP4: [E, 2I, H/32, 16] uint8 codes
+    w_down: torch.Tensor,  # [E, H, I]; MXFP4: [E, H, I/32, 16] uint8 codes
+    topk_weights: torch.Tensor,  # [n, k] float
     topk_ids: torch.Tensor,  # [n, k] int
-    activation: str,  # "silu", "gelu" or "gelu_tanh"
+    activation: str,  # "silu", "gelu", "gelu_tanh" or "swiglu_oai" (GPT-OSS, with alpha and limit)
     row_valid: torch.Tensor | None = None,  # [n] bool: False rows (padded graph rows) route nothing, give 0
     batch_invariant: bool = False,  # deterministic mode: a token's result does not depend on the others
+    **extra: torch.Tensor | float | None,  # gate_up_scales, down_scales, gate_up_bias, down_bias, alpha, limit
 ) -> torch.Tensor:  # [n, H], x's dtype
     if x.is_cuda:
         from swaserve.kernels.fused_moe import fused_moe
 
         return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation, row_valid,
-                         batch_invariant=batch_invariant)
+                         batch_invariant=batch_invariant, **extra)
     return moe_experts_reference(x, w_gate_up, w_down, topk_weights, topk_ids, activation, row_valid,
-                                 batch_invariant)
+                                 batch_invariant, **extra)
 
 
 def moe_experts_reference(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, activation: str, row_valid: torch.Tensor | None = None,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, *,
+    gate_up_scales: torch.Tensor | None = None,  # [E, 2I, H/32] uint8: w_gate_up is MXFP4
+    down_scales: torch.Tensor | None = None,  # [E, H, I/32] uint8: w_down is MXFP4
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I], gate first
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """Each expert's GEMMs in x's dtype as HF runs them (F.linear, then act(gate) * up); each pair's
-    output times its weight in float32, summed over the k slots in order 0..k-1, cast at the end."""
-    act = get_activation(_REFERENCE_ACT[activation])
+    """Each expert's GEMMs in x's dtype as HF runs them (F.linear with the bias, then act(gate) * up, or
+    GPT-OSS's clamped SwiGLU); an MXFP4 expert's weights dequantised exactly to x's dtype when it is hit;
+    each pair's output times its weight in float32, summed over the k slots in order 0..k-1, cast at the end."""
+    act = _gated_reference(activation, alpha, limit)
     if batch_invariant:  # an expert's GEMM rows are the tokens routed to it: their count varies
         from swaserve.layers.batch_invariant import invariant_linear as linear
     else:
@@ -51,11 +61,39 @@ def moe_experts_reference(
         ids = torch.where(row_valid[:, None], ids, -1)
     for e in torch.unique(ids[ids >= 0]).tolist():
         token, slot = torch.where(ids == e)
-        gate, up = linear(x[token], w_gate_up[e]).chunk(2, dim=-1)
-        y[token, slot] = linear(act(gate) * up, w_down[e])
+        w1 = _expert(w_gate_up, gate_up_scales, e, x.dtype)
+        w2 = _expert(w_down, down_scales, e, x.dtype)
+        gate, up = linear(x[token], w1, _row(gate_up_bias, e)).chunk(2, dim=-1)
+        y[token, slot] = linear(act(gate, up), w2, _row(down_bias, e))
     out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
     for j in range(k):  # slot order, as the fused combine sums
         out += topk_weights[:, j, None].float() * y[:, j].float()
     if row_valid is not None:
         out = torch.where(row_valid[:, None], out, 0.0)
     return out.to(x.dtype)
+
+
+def _expert(w: torch.Tensor, scales: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's weight `[out, in]` in dtype (an MXFP4 one dequantised now: no copy is kept)."""
+    return mxfp4.dequantize(w[e], scales[e], dtype) if scales is not None else w[e]
+
+
+def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias is None else bias[e]
+
+
+def _gated_reference(activation: str, alpha: float | None, limit: float | None):
+    """(gate, up) -> the gated activation, in the inputs' dtype as the torch ops round it."""
+    if activation == "swiglu_oai":
+        if alpha is None or limit is None:
+            raise ValueError("the swiglu_oai activation needs alpha and limit")
+
+        def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # as HF's GptOssExperts
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+        return swiglu_oai
+    if activation not in _REFERENCE_ACT:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(_REFERENCE_ACT)} and swiglu_oai")
+    fn = get_activation(_REFERENCE_ACT[activation])
+    return lambda gate, up: fn(gate) * up

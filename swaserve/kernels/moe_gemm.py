@@ -1,0 +1,179 @@
+"""The fused MoE's grouped GEMM (`moe_gemm`): each block of expert-sorted (token, slot) pairs times its
+expert's weights, dense (bf16/fp32) or MXFP4 (uint8 e2m1 codes and e8m0 scales dequantised in registers to
+the activations' dtype, fp32 accumulation: Hopper has no FP4 MMA), with an optional per-expert bias and the
+gated activation, or GPT-OSS's clamped SwiGLU, fused into the first GEMM's epilogue."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from swaserve.kernels.activation import ACTS, gated_act
+from swaserve.kernels.common import _dot, dot_flags, jit_per_batch
+from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
+
+ACT_SWIGLU_OAI = 3  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+MOE_ACTS = {**ACTS, "swiglu_oai": ACT_SWIGLU_OAI}
+DENSE_BLOCK_K = 64  # inputs per step: 128 bytes of a bf16 weight row
+MXFP4_BLOCK_K = 128  # inputs per step of an MXFP4 row: 64 bytes of codes, 4 scales
+
+
+@triton.jit
+def _e2m1(code):
+    """FP4 e2m1 codes (uint8, 0..15) -> float32 values, exactly, without subnormals (a flush-to-zero
+    multiply would lose the 0.5 of code 1): exponent e and mantissa f placed into a float32 with
+    exponent e + 126 give 2^(e-1) (1 + f/2) for e >= 1; codes 0 and 1 are 0 and 0.5."""
+    m = (code & 7).to(tl.uint32)
+    normal = ((m << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    mag = tl.where(m < 2, m.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _e8m0(s):
+    """e8m0 scale bytes -> float32 2^(s-127) (s = 0, a subnormal no quantiser emits, reads as 0)."""
+    return (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, acc, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """acc + a @ W for one K step of an MXFP4 weight: `w_ptrs` [K/2, N] code bytes (low nibble the even
+    input, high the odd), `s_ptrs` [K/2, N] the scale of each byte's group; `a_even`/`a_odd` [M, K/2] the
+    activations of the even and odd inputs, so no register shuffle interleaves the nibbles."""
+    q = tl.load(w_ptrs, mask=mask, other=0)
+    scale = _e8m0(tl.load(s_ptrs, mask=mask, other=127))
+    ty = a_even.dtype
+    w_even = (_e2m1(q & 15) * scale).to(ty)
+    w_odd = (_e2m1(q >> 4) * scale).to(ty)
+    return acc + _dot(a_even, w_even, UPCAST, PREC) + _dot(a_odd, w_odd, UPCAST, PREC)
+
+
+@triton.jit
+def _swiglu_oai(g, u, alpha, limit, ty: tl.constexpr):
+    """GPT-OSS's expert activation on float32 gate/up holding `ty` values, rounded once to `ty`."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    glu = g / (1.0 + tl.exp(-alpha * g))  # exp(+inf) for very negative g gives -0, not NaN
+    return ((u + 1.0) * glu).to(ty)
+
+
+@jit_per_batch("num_pairs")
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_pairs, block_expert,
+    num_pairs, n_out, n_in, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
+    alpha, limit,
+    A_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """out[pair, cols] = a[row(pair)] @ w[e, cols].T (+ bias[e, cols]) for the block's expert e; with
+    GATED, w holds gate rows [0, n_out) and up rows [n_out, 2 n_out) and out = act(gate) * up. row(pair)
+    is the token (pair // TOP_K) when A_PER_TOKEN, else the pair itself. MXFP4: w is [E, rows, n_in/2]
+    code bytes and s [E, rows, n_in/32] scales (strides in bytes)."""
+    pdl_enter(USE_PDL)
+    b = tl.program_id(0)
+    e = tl.load(block_expert + b).to(tl.int64)
+    if e < 0:
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs + rows).to(tl.int64)
+    row_ok = pair < num_pairs
+    a_row = pair // TOP_K if A_PER_TOKEN else pair
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    a_base = a_ptr + a_row[:, None] * stride_am
+    w_base = w_ptr + e * stride_we + cols[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if MXFP4:
+        kb = tl.arange(0, BLOCK_K // 2)  # code bytes of one step: inputs 2kb (low nibble) and 2kb + 1
+        s_base = s_ptr + e * stride_se + cols[None, :] * stride_sn
+        for k0 in range(0, n_in, BLOCK_K):
+            byte = k0 // 2 + kb
+            k_ok = byte < n_in // 2
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            a_even = tl.load(a_base + (2 * byte)[None, :], mask=a_mask, other=0.0)
+            a_odd = tl.load(a_base + (2 * byte + 1)[None, :], mask=a_mask, other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            acc = _mx_dot(a_even, a_odd, w_base + byte[:, None], s_base + (byte // 16)[:, None], w_mask, acc,
+                          UPCAST, PREC)
+            if GATED:
+                acc_up = _mx_dot(a_even, a_odd, w_base + n_out * stride_wn + byte[:, None],
+                                 s_base + n_out * stride_sn + (byte // 16)[:, None], w_mask, acc_up, UPCAST, PREC)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = (k0 + ks) < n_in
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += _dot(a, w, UPCAST, PREC)
+            if GATED:
+                wu = tl.load(w_base + n_out * stride_wn + (k0 + ks)[:, None],
+                             mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc_up += _dot(a, wu, UPCAST, PREC)
+    if HAS_BIAS:
+        b_base = bias_ptr + e * stride_be + cols
+        acc += tl.load(b_base, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_base + n_out, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    ty = out_ptr.dtype.element_ty
+    if GATED:
+        # Rounded as F.linear's outputs would be, then the activation.
+        g, u = acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32)
+        if ACT == 3:  # ACT_SWIGLU_OAI
+            y = _swiglu_oai(g, u, alpha, limit, ty)
+        else:
+            y = gated_act(g, u, ty, ACT)
+    else:
+        y = acc.to(ty)
+    tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def moe_gemm(
+    a: torch.Tensor,  # [n or pairs, n_in] activations (x per token, or h per pair)
+    w: torch.Tensor,  # [E, rows, n_in] dense, or [E, rows, n_in/32, 16] uint8 MXFP4 codes
+    scales: torch.Tensor | None,  # [E, rows, n_in/32] uint8 e8m0 (MXFP4), None for dense weights
+    bias: torch.Tensor | None,  # [E, rows]
+    out: torch.Tensor,  # [pairs, n_out], written at the sorted pairs' rows only
+    sorted_pairs: torch.Tensor,  # [blocks * block_m] int32
+    block_expert: torch.Tensor,  # [blocks] int32
+    num_pairs: int,
+    *,
+    top_k: int,
+    a_per_token: bool,
+    gated: bool,  # rows = 2 n_out (gate rows first), out = act(gate) * up
+    activation: str = "silu",
+    alpha: float = 1.0,
+    limit: float = 0.0,
+    block_m: int,
+    block_n: int,
+    block_k: int | None = None,
+    num_warps: int = 4,
+) -> None:
+    n_out = out.shape[1]
+    n_in = a.shape[1]
+    mx = scales is not None
+    E, rows = w.shape[:2]
+    assert rows == (2 if gated else 1) * n_out, (w.shape, n_out, gated)
+    if mx:
+        assert w.dtype == scales.dtype == torch.uint8 and n_in % 32 == 0, (w.dtype, scales.dtype, n_in)
+        assert w.shape == (E, rows, n_in // 32, 16) and scales.shape == (E, rows, n_in // 32), (w.shape, scales.shape)
+        assert w.stride(3) == 1 and w.stride(2) == 16 and scales.stride(2) == 1
+    else:
+        assert w.shape == (E, rows, n_in) and w.stride(2) == 1, (w.shape, w.stride())
+    assert a.stride(1) == 1 and out.stride(1) == 1
+    if bias is not None:
+        assert bias.shape == (E, rows) and bias.stride(1) == 1, bias.shape
+    block_k = block_k or (MXFP4_BLOCK_K if mx else DENSE_BLOCK_K)
+    upcast, prec = dot_flags(a.dtype)
+    s = scales if mx else w  # an unused pointer argument still needs a tensor
+    _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n_out, block_n))](
+        a, w, s, bias if bias is not None else w, out, sorted_pairs, block_expert,
+        num_pairs, n_out, n_in, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        bias.stride(0) if bias is not None else 0, out.stride(0), float(alpha), float(limit),
+        A_PER_TOKEN=a_per_token, TOP_K=top_k, GATED=gated, ACT=MOE_ACTS[activation], HAS_BIAS=bias is not None,
+        MXFP4=mx, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
+        num_warps=num_warps, **pdl_kwargs(a),
+    )
