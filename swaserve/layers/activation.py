@@ -1,4 +1,4 @@
-"""Activation functions by HF name, GPT-OSS's clamped SwiGLU and the tanh soft-cap."""
+"""Activation functions by HF name and the tanh soft-cap (GPT-OSS's clamped SwiGLU: `layers.fused_moe`)."""
 
 from __future__ import annotations
 
@@ -38,16 +38,6 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]
-
-
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """GPT-OSS expert activation on interleaved `[..., 2I]` (gate at even, up at odd columns).
-
-    gate is clamped from above, up on both sides, then `(up + 1) * gate * sigmoid(alpha * gate)`.
-    """
-    gate = gate_up[..., ::2].clamp(max=limit)
-    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -1,12 +1,11 @@
-"""Mixture-of-experts blocks. GPT-OSS: a biased top-k router and experts with biased, interleaved
-gate/up weights (a plain per-expert loop). Gemma 4: a normed, scaled router and bias-free stacked
-experts run by `fused_moe.moe_experts`. MiMo-V2: a sigmoid router with grouped top-k selection over
-the same stacked experts (loaded expert by expert from per-expert checkpoints).
+"""Mixture-of-experts blocks. GPT-OSS: a biased top-k router (its experts: `layers.gpt_oss_experts`).
+Gemma 4: a normed, scaled router and bias-free stacked experts run by `fused_moe.moe_experts`. MiMo-V2:
+a sigmoid router with grouped top-k selection over the same stacked experts (loaded expert by expert
+from per-expert checkpoints).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,84 +35,12 @@ class TopKRouter(nn.Module):
         return torch.softmax(top, dim=-1), ids
 
 
-class Experts(nn.Module):
-    """E expert MLPs stored stacked, input-major (`x @ W`), as GPT-OSS checkpoints store them.
-
-    Tensor parallelism splits every expert's intermediate size (a contiguous run of interleaved
-    gate/up column pairs per rank); the down bias is added on rank 0 only, before the sum over ranks.
-    """
-
-    batch_invariant = False  # deterministic mode: an expert's rows (its tokens) vary in number
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 act: Callable[[torch.Tensor], torch.Tensor]):
-        super().__init__()
-        self.num_experts = num_experts
-        self.act = act  # maps [.., 2I] gate_up to [.., I]
-        self.tp = tp_group()
-        self.hf_intermediate = intermediate_size
-        intermediate_size = shard_size(intermediate_size, "expert intermediate size")
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
-
-    def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not self.tp.enabled:
-            return tensor
-        local = self.hf_intermediate // self.tp.size
-        start = self.tp.rank * local
-        if param_name in ("gate_up_proj", "gate_up_proj_bias"):
-            return tensor.narrow(-1, 2 * start, 2 * local)
-        if param_name == "down_proj":
-            return tensor.narrow(1, start, local)
-        if param_name == "down_proj_bias" and self.tp.rank:
-            return torch.zeros_like(tensor)
-        return tensor
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [n, hidden]
-        weights: torch.Tensor,  # [n, k] routing weights
-        ids: torch.Tensor,  # [n, k] int64 expert ids
-    ) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            token, slot = torch.where(ids == e)
-            bi = self.batch_invariant
-            h = self.act(_linear(x[token], self.gate_up_proj[e].T, self.gate_up_proj_bias[e], bi))
-            y = _linear(h, self.down_proj[e].T, self.down_proj_bias[e], bi)
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
-        return all_reduce(out)
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
     if batch_invariant:
         from swaserve.layers.batch_invariant import invariant_linear
 
         return invariant_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-class MoE(nn.Module):
-    """router + experts; HF names `router.{weight,bias}`, `experts.{gate_up_proj,down_proj}[_bias]`."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 act: Callable[[torch.Tensor], torch.Tensor]):
-        super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"top_k {top_k} must be in 1..num_experts ({num_experts})")
-        self.router = TopKRouter(hidden_size, num_experts, top_k)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, act)
-
-    def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:  # [num_tokens, hidden]
-        """Always the summed `[num_tokens, hidden]`: the experts add their outputs up themselves
-        (`partial_sums` is the dense layers' option, accepted so the decoder layer need not ask)."""
-        weights, ids = self.router(x)
-        return self.experts(x, weights, ids)
 
 
 class NormRouter(nn.Module):

@@ -1,48 +1,96 @@
 """GPT-OSS: biased attention with per-head sinks, alternating sliding/full layers, YaRN rotary, and a
-top-k MoE with clamped SwiGLU experts. bf16/fp32 weights only (MXFP4 is rejected).
+top-k MoE of clamped-SwiGLU experts on the fused MoE path, dense or MXFP4 as the checkpoint stores them
+(openai/gpt-oss-20b and -120b: MXFP4 experts, everything else bf16).
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import nn
 
-from swaserve.layers.activation import clamped_swiglu
-from swaserve.layers.moe import MoE
-from swaserve.models.base import CausalLM
+from swaserve.layers import mxfp4
+from swaserve.layers.gpt_oss_experts import GptOssExperts
+from swaserve.layers.moe import TopKRouter, routed_rows
+from swaserve.layers.norm import RMSNorm, add_norm
+from swaserve.models.base import CausalLM, DecoderLayer
 
-_MXFP4 = "GPT-OSS MXFP4-quantised checkpoints are not supported yet; use a bf16 checkpoint"
+if TYPE_CHECKING:
+    from swaserve.runner.forward_batch import ForwardBatch
+
+# The released model's SwiGLU constants. Its config.json carries `swiglu_limit` but no alpha, and not every
+# transformers version defaults either field, so neither is read from a library default.
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+# Expert weight names, dense or MXFP4 (the biases are dense either way).
+_EXPERT_WEIGHTS = tuple(f".mlp.experts.{p}{s}" for p in ("gate_up_proj", "down_proj") for s in ("", "_blocks", "_scales"))
 
 
-def _is_mxfp4(hf: Any) -> bool:
-    qc = getattr(hf, "quantization_config", None)
-    if qc is None:
-        return False
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    return str(getattr(method, "value", method)).lower() == "mxfp4"
+def swiglu_params(hf: Any) -> tuple[float, float]:
+    """(alpha, limit): the config's values where it has them, else the released model's constants."""
+    alpha = getattr(hf, "swiglu_alpha", None)
+    limit = getattr(hf, "swiglu_limit", None)
+    return float(SWIGLU_ALPHA if alpha is None else alpha), float(SWIGLU_LIMIT if limit is None else limit)
+
+
+class GptOssMoE(nn.Module):
+    """HF's `mlp`: router.{weight,bias} and experts.* (`GptOssExperts`)."""
+
+    def __init__(self, hf: Any, quantized: bool):
+        super().__init__()
+        if not 0 < hf.num_experts_per_tok <= hf.num_local_experts:
+            raise ValueError(f"num_experts_per_tok {hf.num_experts_per_tok} must be in 1..num_local_experts "
+                             f"({hf.num_local_experts})")
+        alpha, limit = swiglu_params(hf)
+        self.router = TopKRouter(hf.hidden_size, hf.num_local_experts, hf.num_experts_per_tok)
+        self.experts = GptOssExperts(hf.num_local_experts, hf.hidden_size, hf.intermediate_size, alpha, limit,
+                                     quantized)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
+        weights, ids = self.router(x)
+        return self.experts(x, weights, ids, routed_rows(batch, x))
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    """The pre-norm block whose MoE also gets the batch (padded graph rows route nothing)."""
+
+    def forward(
+        self, h: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DecoderLayer.forward`'s contract."""
+        attn = self.self_attn(x, batch, partial_sums=True)
+        h, x = add_norm(attn, h, None, self.post_attention_layernorm)
+        return add_norm(self.mlp(x, batch), h, None, next_norm)
 
 
 class GptOssForCausalLM(CausalLM):
-    """The MoE replaces the gated MLP; norms keep their weight in float32 (HF keeps them fp32)."""
+    """Norms keep their weight in float32 (HF keeps them fp32). A `quantization_config` of `mxfp4` makes
+    every layer's experts MXFP4 unless `modules_to_not_convert` names them; any other method is refused."""
 
     norm_kwargs: ClassVar[dict[str, Any]] = {"fp32_weight": True}
 
     def __init__(self, hf_config: Any):
-        if _is_mxfp4(hf_config):
-            raise ValueError(_MXFP4)
+        mxfp4.quant_method(hf_config)  # a method this model cannot run fails here, naming it
         super().__init__(hf_config)
+
+    def experts_quantized(self, layer_id: int) -> bool:
+        return mxfp4.is_quantized(self.hf_config, f"model.layers.{layer_id}.mlp.experts")
 
     def attention_kwargs(self, layer_id: int) -> dict[str, Any]:
         return {**super().attention_kwargs(layer_id), "sinks": True}
 
-    def build_mlp(self, layer_id: int) -> nn.Module:
+    def build_layer(self, layer_id: int) -> nn.Module:
         hf = self.hf_config
-        act = partial(clamped_swiglu, alpha=hf.swiglu_alpha, limit=hf.swiglu_limit)
-        return MoE(hf.hidden_size, hf.intermediate_size, hf.num_local_experts, hf.num_experts_per_tok, act)
+        return GptOssDecoderLayer(self.build_attention(layer_id), GptOssMoE(hf, self.experts_quantized(layer_id)),
+                                  hf.hidden_size, self.norm_kw, sandwich=False)
 
     def map_weight_name(self, name: str) -> str | None:
-        if name.endswith(("_blocks", "_scales")):
-            raise ValueError(f"{_MXFP4} (found {name!r})")
+        if name.startswith("model.layers.") and name.endswith(_EXPERT_WEIGHTS):
+            layer_id = int(name.split(".")[2])
+            packed = name.endswith(("_blocks", "_scales"))
+            if layer_id < len(self.model.layers) and packed != self.experts_quantized(layer_id):
+                stored, config = ("MXFP4", "dense") if packed else ("dense", "MXFP4")
+                raise ValueError(f"checkpoint stores {stored} experts ({name!r}) but its config.json makes them "
+                                 f"{config} (quantization_config: {getattr(self.hf_config, 'quantization_config', None)})")
         return super().map_weight_name(name)

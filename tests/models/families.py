@@ -1,9 +1,10 @@
 """Tiny random-weight HF models of every supported family: both layer types, windows of 8-12 that
 the test prompts cross, and each family's quirks turned up so they matter (small soft-caps, a low
-SwiGLU clamp, scaled rotary bases)."""
+SwiGLU clamp, scaled rotary bases). `gpt_oss_mxfp4` is saved as GPT-OSS is released: MXFP4 experts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,7 @@ FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
     "gemma3": (gemma3, tf.Gemma3ForCausalLM),
     "gemma3_mqa": (gemma3_mqa, tf.Gemma3ForCausalLM),
     "gpt_oss": (gpt_oss, tf.GptOssForCausalLM),
+    "gpt_oss_mxfp4": (gpt_oss, tf.GptOssForCausalLM),  # saved by `save_mxfp4`
     "gemma4": (gemma4, tf.Gemma4ForCausalLM),
     "gemma4_ple": (gemma4_ple, tf.Gemma4ForCausalLM),
     "gemma4_moe": (gemma4_moe, tf.Gemma4ForCausalLM),
@@ -141,15 +143,54 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             b.copy_(0.2 * torch.randn(b.shape, generator=g))
 
 
+# GPT-OSS's published quantization_config (openai/gpt-oss-20b and -120b).
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+@torch.no_grad()
+def save_mxfp4(model: torch.nn.Module, out_dir: Path, seed: int, scales: tuple[int, int] = (121, 123)) -> None:
+    """Save a GPT-OSS model as the released checkpoints are: every expert weight random MXFP4
+    (`*_blocks` uint8 [E, out, in/32, 16], `*_scales` uint8 [E, out, in/32], e8m0 exponents drawn from
+    `scales`), the rest as it is, and config.json with the published quantization_config and no
+    `swiglu_alpha`. The model's own expert weights become transformers' dequantisation of those bytes
+    (`convert_moe_packed_tensors`), so HF runs the very weights the checkpoint holds."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(seed + 1)
+    state = {n: t.contiguous() for n, t in model.state_dict().items()}
+    for i, layer in enumerate(model.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            param = getattr(layer.mlp.experts, proj)  # [E, in, out], HF's input-major layout
+            E, n_in, n_out = param.shape
+            blocks = torch.randint(0, 256, (E, n_out, n_in // 32, 16), generator=g, dtype=torch.uint8)
+            exps = torch.randint(scales[0], scales[1] + 1, (E, n_out, n_in // 32), generator=g, dtype=torch.uint8)
+            param.copy_(convert_moe_packed_tensors(blocks, exps, dtype=torch.float32))
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            del state[name]
+            state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, exps
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("swiglu_alpha", None)
+    config["quantization_config"] = MXFP4_CONFIG
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def make_hf_model(family: str, out_dir: Path, seed: int = 0) -> torch.nn.Module:
-    """Build the tiny HF model in fp32 with eager attention, randomise it, save_pretrained to `out_dir`."""
+    """Build the tiny HF model in fp32 with eager attention, randomise it, save_pretrained to `out_dir`
+    (`gpt_oss_mxfp4`: in the released MXFP4 layout, `save_mxfp4`)."""
     make_config, cls = FAMILIES[family]
     config = make_config()
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     randomize_(model, seed)
-    model.save_pretrained(out_dir)
+    if family == "gpt_oss_mxfp4":
+        save_mxfp4(model, out_dir, seed)
+    else:
+        model.save_pretrained(out_dir)
     return model
 
 

@@ -1,6 +1,6 @@
 """Loading paths and their errors: sharded safetensors, multimodal Gemma 3 and Gemma 4 checkpoints (text part),
 bf16 weights, tied heads with a stored copy, and clear errors for missing files, unknown
-architectures, unknown/missing weights and MXFP4 GPT-OSS."""
+architectures, unknown/missing weights (GPT-OSS's MXFP4 checkpoints: test_gpt_oss.py)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_kv_shared_layers_skip_stored_kv_weights(tmp_path):
     assert (prefill_logits(config, model) - hf_last_logits(hf)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "gemma4_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "gpt_oss_mxfp4", "gemma4_moe"])
 def test_bf16_weights(tmp_path, family):
     # bf16 end to end (weights, KV pools, activations) vs HF in fp32: a loose check that no
     # path silently mixes dtypes; tight parity is the fp32 tests' job.
@@ -151,16 +151,6 @@ def test_registry():
         get_model_class("FooForCausalLM")
     # A config built in code has no `architectures`: the model type decides.
     assert get_model_class("Qwen3Config", "qwen3").__name__ == "Qwen3ForCausalLM"
-
-
-def test_mxfp4_gpt_oss_is_rejected(tmp_path):
-    cfg = FAMILIES["gpt_oss"][0]()
-    cfg.quantization_config = {"quant_method": "mxfp4"}
-    with pytest.raises(ValueError, match="MXFP4.*not supported yet"):
-        build_model(ModelConfig.from_hf(cfg), torch.bfloat16, "cpu")
-    plain = build_model(ModelConfig.from_hf(FAMILIES["gpt_oss"][0]()), torch.float32, "cpu")
-    with pytest.raises(ValueError, match="MXFP4"):
-        plain.load_weights([("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(1, dtype=torch.uint8))])
 
 
 def test_config_json_is_what_the_loader_reads(tmp_path):

@@ -124,7 +124,7 @@ def test_token_sizes():
     assert piecewise_token_sizes(5) == [5]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mimo_v2_flash", "gemma4_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "mimo_v2_flash", "gemma4_moe", "gpt_oss", "gpt_oss_mxfp4"])
 def test_padded_pieces_match_eager(tmp_path, family):
     run_lockstep(family, tmp_path, "torch_native")
 

@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo, two rank processes, fp32): the same greedy tokens at TP=2 as at
 TP=1 on tiny random models of the families whose layers it splits differently: K/V heads sharded
 (Gemma 3), one K/V head replicated and a vocabulary that does not split evenly (Gemma 3 MQA), attention
-sinks and biased experts (GPT-OSS), K = V full layers with one K/V head beside sharded sliding layers
+sinks and biased experts (GPT-OSS; its MXFP4 form split unevenly on 32-input groups: 64 and 32 of 96),
+K = V full layers with one K/V head beside sharded sliding layers
 and a routed-experts block (Gemma 4 MoE), per-layer embeddings and KV-shared layers (Gemma 4 PLE),
 V narrower than K with sliding layers holding twice the K/V heads and per-expert checkpoints (MiMo-V2).
 Prompts cross the window, prefill is chunked, requests batch; every rank's request table and SWA
@@ -34,8 +35,8 @@ def generate(path: str, prompts: list[list[int]], tp: int, overlap: bool = False
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "overlap"), [("gemma3", False), ("gemma3_mqa", True), ("gpt_oss", False),
-                                                 ("gemma4_moe", False), ("gemma4_ple", False),
-                                                 ("mimo_v2_flash", False)])
+                                                 ("gpt_oss_mxfp4", False), ("gemma4_moe", False),
+                                                 ("gemma4_ple", False), ("mimo_v2_flash", False)])
 def test_tp2_tokens_equal_tp1(family, overlap, tmp_path):
     """`overlap`: rank 0 schedules step N+1 (and sends it) before it has step N's tokens."""
     hf = make_hf_model(family, tmp_path)
