@@ -1,4 +1,4 @@
-"""Shared benchmark pieces: random-weight models in real Gemma 3 and Gemma 4 shapes (and tiny ones for
+"""Shared benchmark pieces: random-weight models in real Gemma 3, Gemma 4 and GPT-OSS shapes (and tiny ones for
 `--smoke`), the measured copy bandwidth, the decode-step byte count that defines the roofline, and the
 `--smoke` switch every script has: a tiny CPU run of its whole code path that CI runs
 (tests/benchmarks/test_smoke.py), so a script that no longer runs fails there."""
@@ -85,9 +85,52 @@ def mimo_hf_config(max_positions: int = 32768, num_layers: int = 6, num_experts:
     return cfg
 
 
+# openai/gpt-oss-20b and -120b as published: 2880 hidden, 64 query heads x 64 and 8 K/V heads with biases and
+# sinks, sliding (128) and full layers alternating, YaRN (factor 32 over 4096, theta 150k), top-4 experts of
+# intermediate 2880 with the SwiGLU clamp at 7, vocab 201088; MXFP4 experts, everything else bf16.
+GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, head_dim=64, num_attention_heads=64,
+                   num_key_value_heads=8, num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4,
+                   sliding_window=128, eos_token_id=200002, pad_token_id=199999)
+GPT_OSS_SHAPES = {
+    "20b": GPT_OSS_20B,
+    "120b": {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128},
+    # --smoke: the same structure, tiny (dims multiples of 32, as MXFP4 needs).
+    "tiny": {**GPT_OSS_20B, "vocab_size": 32768, "hidden_size": 64, "intermediate_size": 64, "head_dim": 16,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "num_local_experts": 8,
+             "sliding_window": 32, "eos_token_id": None, "pad_token_id": None},
+}
+GPT_OSS_MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def gpt_oss_hf_config(shape: str, num_layers: int | None = None, mxfp4: bool = True):
+    """`20b`, `120b` or `tiny`; `num_layers` cuts the stack (HF parity runs); `mxfp4=False`: bf16 experts.
+    The published max_position_embeddings (131072 = 32 x 4096) stays: YaRN's scaling reads it."""
+    from transformers import GptOssConfig
+
+    s = dict(GPT_OSS_SHAPES[shape])
+    n = num_layers or s.pop("num_hidden_layers")
+    s.pop("num_hidden_layers", None)
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096}
+    cfg = GptOssConfig(num_hidden_layers=n, rope_parameters=rope, swiglu_limit=7.0, max_position_embeddings=131072,
+                       layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+                       attention_bias=True, tie_word_embeddings=False, **s)
+    if mxfp4:
+        cfg.quantization_config = dict(GPT_OSS_MXFP4)
+    cfg.architectures = ["GptOssForCausalLM"]
+    return cfg
+
+
 def hf_config(shape: str, max_positions: int = 32768):
-    """`1b`, `4b`, ... (Gemma 3), `gemma4-26b-a4b` or `mimo-6l` (MiMo-V2-Flash, 6 layers, 32 experts);
-    `tiny` and `gemma4-tiny` for --smoke."""
+    """`1b`, `4b`, ... (Gemma 3), `gemma4-26b-a4b`, `mimo-6l` (MiMo-V2-Flash, 6 layers, 32 experts),
+    `gpt-oss-20b` / `gpt-oss-120b` (MXFP4 experts) or `gpt-oss-20b-bf16` (bf16 experts); `tiny`,
+    `gemma4-tiny` and `gpt-oss-tiny` for --smoke."""
+    if shape.startswith("gpt-oss-"):
+        size, _, fmt = shape.removeprefix("gpt-oss-").partition("-")
+        if size not in GPT_OSS_SHAPES or fmt not in ("", "bf16"):
+            raise ValueError(f"unknown GPT-OSS shape {shape!r}: gpt-oss-{{20b,120b,tiny}}[-bf16]")
+        return gpt_oss_hf_config(size, mxfp4=fmt != "bf16")
     if shape.startswith("gemma4-"):
         return gemma4_hf_config(shape.removeprefix("gemma4-"), max_positions)
     if shape == "mimo-6l":
@@ -117,20 +160,29 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
     config = ModelConfig.from_hf(hf)
     model = build_model(config, dtype, device)
     init_dummy_weights(model, seed)
-    name = shape if shape.startswith("gemma4-") else f"gemma3-{shape}"
+    name = shape if shape.startswith(("gemma4-", "gpt-oss-", "mimo-")) else f"gemma3-{shape}"
     return LoadedModel(config, model, None, f"random-{name}")
 
 
 def active_param_bytes(loaded, bs: int) -> int:
-    """Weight bytes one decode step of `bs` tokens reads: every dense weight once, and of each MoE
-    layer's experts only those some token routes to: E * (1 - (1 - k/E)^bs) of them in expectation
-    for uniform routing (random weights route near-uniformly)."""
+    """Weight bytes one decode step of `bs` tokens reads: every dense weight once (of an untied input
+    embedding only the `bs` rows looked up; a tied one counts once, as the LM head reads it all), and of
+    each MoE layer's experts only those some token routes to: E * (1 - (1 - k/E)^bs) of them in
+    expectation for uniform routing (random weights route near-uniformly). Bytes as stored: MXFP4
+    experts count their 4-bit codes and scales (plus their bf16 biases)."""
     total = param_bytes(loaded.model)
+    head = getattr(loaded.model, "lm_head", None)
+    if head is not None and not head.tied:  # an untied embedding table: only the batch's rows are read
+        embed = loaded.model.model.embed_tokens.weight
+        total -= (embed.shape[0] - min(bs, embed.shape[0])) * embed.shape[1] * embed.element_size()
     hf = loaded.config.hf_config
     experts = [m for name, m in loaded.model.named_modules() if name.endswith(".experts")]
-    if not experts or not getattr(hf, "num_experts", None):
+    # Gemma 4: num_experts / top_k_experts; GPT-OSS: num_local_experts / num_experts_per_tok; MiMo: n_routed_experts.
+    E = next((getattr(hf, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
+              if getattr(hf, a, None)), None)
+    k = next((getattr(hf, a) for a in ("top_k_experts", "num_experts_per_tok") if getattr(hf, a, None)), None)
+    if not experts or not E or not k:
         return total
-    E, k = hf.num_experts, hf.top_k_experts
     hit = E * (1 - (1 - k / E) ** bs)
     expert_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
     return int(total - expert_bytes + expert_bytes * hit / E)
@@ -141,9 +193,8 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_step_bytes(loaded, bs: int, ctx: int, kv_dtype: torch.dtype) -> int:
-    """Fewest bytes one decode step must read: every weight once (the tied embedding counts once,
-    as the LM head reads all of it; of MoE experts only the active ones) plus each request's K/V — full layers the whole context, SWA
-    layers the last min(ctx, W) keys."""
+    """Fewest bytes one decode step must read: the weights `active_param_bytes` counts plus each
+    request's K/V — full layers the whole context, SWA layers the last min(ctx, W) keys."""
     cfg = loaded.config
     kv = cfg.full_group.bytes_per_token(kv_dtype) * ctx
     if cfg.sliding_window:

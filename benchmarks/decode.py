@@ -1,8 +1,9 @@
-"""Fixed-batch decode sweep on random-weight Gemma 3 shapes: step time, tok/s and the fraction of the
-HBM roofline (weights + K/V bytes one step must read ÷ the copy bandwidth measured first).
+"""Fixed-batch decode sweep on random-weight shapes (`common.hf_config`: Gemma 3 `1b`, `4b`, ...,
+`gemma4-26b-a4b`, `gpt-oss-20b`, `gpt-oss-120b`, `gpt-oss-20b-bf16`): step time, tok/s and the fraction of
+the HBM roofline (weights as stored + K/V bytes one step must read ÷ the copy bandwidth measured first).
 
     python benchmarks/decode.py [--shapes 1b,4b] [--batch-sizes 1,16,64,256] [--contexts 512,2048,8192] [--quick]
-    python benchmarks/decode.py --smoke     # tiny CPU run (CI): a Gemma 3 and a Gemma 4 MoE shape
+    python benchmarks/decode.py --smoke     # tiny CPU run (CI): Gemma 3, Gemma 4 MoE and GPT-OSS (MXFP4) shapes
 
 Each point: bs requests with ctx-token prompts are prefilled (untimed), then `--steps` decode steps
 of the whole batch are timed end to end through Engine.step() (scheduling, graph replay, sampling
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     bench_device, bench_dtype, copy_bandwidth, decode_step_bytes, empty_cache, fast_paths, hardware, now,
-    parse_args, random_model,
+    param_bytes, parse_args, random_model,
 )
 
 
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fused-combine", action="store_true",
                     help="A/B: decode splits combined in stage 1, no stage-2 launch (SWASERVE_FUSED_SPLIT_COMBINE=1)")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], help="A/B: torch's preferred BLAS library for the GEMMs")
-    a = parse_args(ap, argv, smoke=dict(shapes="tiny,gemma4-tiny", batch_sizes="1,3", contexts="40", steps=3,
-                                        warmup=1))
+    a = parse_args(ap, argv, smoke=dict(shapes="tiny,gemma4-tiny,gpt-oss-tiny", batch_sizes="1,3", contexts="40",
+                                        steps=3, warmup=1))
     if a.blas:
         torch.backends.cuda.preferred_blas_library(a.blas)
     if a.skinny_gemm:
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         max_ctx = max(ctxs) + 2 * (a.steps + a.warmup) + 64  # room for the tokens decoded during prefill
         engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=max(bss), max_context=max_ctx,
                         max_prefill_tokens=16384, disable_cuda_graph=a.disable_cuda_graph)
-        print(f"# {shape}: {engine.plan.describe()}", flush=True)
+        print(f"# {shape}: weights {param_bytes(loaded.model) / 2**30:.2f} GiB as stored; {engine.plan.describe()}; "
+              f"requests of 8192 tokens at once: {engine.plan.max_concurrent_requests(8192)}", flush=True)
         for ctx in ctxs:
             for bs in bss:
                 need = ctx + a.steps + a.warmup + 2
@@ -113,10 +115,10 @@ def main(argv: list[str] | None = None) -> None:
         del engine, loaded
         gc.collect()  # the runner and its graph runner reference each other
         empty_cache(dev)
-    print(f"\n{'shape':<14} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} "
+    print(f"\n{'shape':<16} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} "
           f"{'of roofline':>11}")
     for r in rows:
-        print(f"{r['shape']:<14} {r['bs']:>4} {r['ctx']:>5} {r['step_ms']:>8} {r['tok_per_s']:>9} "
+        print(f"{r['shape']:<16} {r['bs']:>4} {r['ctx']:>5} {r['step_ms']:>8} {r['tok_per_s']:>9} "
               f"{r['roofline_step_ms']:>8} {r['roofline_frac'] * 100:>10.1f}%")
 
 

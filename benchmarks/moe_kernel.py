@@ -1,11 +1,14 @@
-"""Fused MoE kernel at Gemma-4-26B-A4B's expert shape vs the bytes of the experts it hits.
+"""Fused MoE kernel at a real expert shape vs the bytes of the experts it hits.
 
-Hidden 2816, 128 experts, top-8, intermediate 704, bf16: microseconds per call in a CUDA graph
-(CUDA-event timed replays), the bytes it must read (the weights of the distinct experts the routing
-hits, counted from the ids, plus x and the output) and the fraction of the measured copy bandwidth;
-also the pair sort and the combine alone, so the two GEMMs' share is the rest. JSON lines, then a table.
+Gemma-4-26B-A4B (default; hidden 2816, 128 experts, top-8, intermediate 704, bf16) or GPT-OSS (`--model
+gpt-oss-20b|gpt-oss-120b`: hidden 2880, 32 / 128 experts, top-4, intermediate 2880, biases and the clamped
+SwiGLU; MXFP4 experts as released and the same shape in bf16, side by side): microseconds per call in a
+CUDA graph (CUDA-event timed replays), the bytes it must read (the stored weights of the distinct experts
+the routing hits, counted from the ids: MXFP4 codes + scales + bf16 biases, or bf16 weights (+ biases);
+plus x and the output) and the fraction of the measured copy bandwidth; for Gemma 4 also the pair sort and
+the combine alone, so the two GEMMs' share is the rest. JSON lines, then a table.
 
-    python benchmarks/moe_kernel.py [--tokens 1,16,64,256] [--calls 10]
+    python benchmarks/moe_kernel.py [--model gpt-oss-20b] [--tokens 1,16,64,256] [--calls 10] [--block-k 128]
     python benchmarks/moe_kernel.py --smoke     # a tiny expert shape, Triton's interpreter on the CPU (CI)
 """
 
@@ -21,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_device, copy_bandwidth, graph_us, hardware, parse_args  # noqa: E402
 
-SHAPE = "2816,128,8,704"  # hidden, experts, top-k, expert intermediate: Gemma-4-26B-A4B
+# hidden, experts, top-k, expert intermediate per model.
+SHAPES = {"gemma4-26b-a4b": "2816,128,8,704", "gpt-oss-20b": "2880,32,4,2880", "gpt-oss-120b": "2880,128,4,2880"}
 
 
 def expected_experts_hit(n: int, E: int, K: int) -> float:
@@ -29,24 +33,43 @@ def expected_experts_hit(n: int, E: int, K: int) -> float:
     return E * (1 - (1 - K / E) ** n)
 
 
+def experts(model: str, H: int, E: int, I: int, dev: torch.device, g: torch.Generator) -> dict[str, dict]:
+    """Per format: `fused_moe`'s weights, activation and keyword arguments (scales, biases, SwiGLU)."""
+    w1 = (0.02 * torch.randn(E, 2 * I, H, generator=g, device=dev)).bfloat16()
+    w2 = (0.02 * torch.randn(E, H, I, generator=g, device=dev)).bfloat16()
+    if not model.startswith("gpt-oss"):
+        return {"bf16": {"w_gate_up": w1, "w_down": w2, "activation": "gelu_tanh"}}
+    bias = {"gate_up_bias": (0.05 * torch.randn(E, 2 * I, generator=g, device=dev)).bfloat16(),
+            "down_bias": (0.05 * torch.randn(E, H, generator=g, device=dev)).bfloat16()}
+    act = {"activation": "swiglu_oai", "alpha": 1.702, "limit": 7.0}
+
+    def mx(rows: int, n_in: int) -> tuple[torch.Tensor, torch.Tensor]:  # MXFP4 codes, scales 2^-8 / 2^-7
+        codes = torch.randint(0, 256, (E, rows, n_in // 32, 16), generator=g, device=dev, dtype=torch.uint8)
+        return codes, torch.randint(119, 121, (E, rows, n_in // 32), generator=g, device=dev, dtype=torch.uint8)
+
+    (b1, s1), (b2, s2) = mx(2 * I, H), mx(H, I)
+    return {"mxfp4": {"w_gate_up": b1, "w_down": b2, "gate_up_scales": s1, "down_scales": s2, **bias, **act},
+            "bf16": {"w_gate_up": w1, "w_down": w2, **bias, **act}}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma4-26b-a4b", choices=sorted(SHAPES), help="expert form and shape")
     ap.add_argument("--tokens", default="1,16,64,256", help="comma-separated token counts n")
     ap.add_argument("--calls", type=int, default=10, help="calls captured in one graph (distinct routings)")
-    ap.add_argument("--shape", default=SHAPE, help="HIDDEN,EXPERTS,TOP_K,INTERMEDIATE")
+    ap.add_argument("--shape", default=None, help="HIDDEN,EXPERTS,TOP_K,INTERMEDIATE (default: the model's)")
+    ap.add_argument("--block-k", type=int, default=None, help="MXFP4: inputs per GEMM step (default 128)")
     a = parse_args(ap, argv, smoke=dict(tokens="1,5", calls=1, shape="64,8,2,32"))
-    H, E, K, I = (int(x) for x in a.shape.split(","))
+    H, E, K, I = (int(x) for x in (a.shape or SHAPES[a.model]).split(","))
     from swaserve.kernels.fused_moe import _block_m, align_pairs, combine, fused_moe
     from swaserve.kernels.pdl import pdl_supported
 
     dev = bench_device(a.smoke)
     bw = copy_bandwidth(dev)
-    print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; PDL {'on' if pdl_supported() else 'off'}",
-          flush=True)
+    print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; PDL {'on' if pdl_supported() else 'off'}; "
+          f"{a.model} experts: hidden {H}, {E} experts top-{K}, intermediate {I}", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
-    w1 = (0.02 * torch.randn(E, 2 * I, H, generator=g, device=dev)).bfloat16()
-    w2 = (0.02 * torch.randn(E, H, I, generator=g, device=dev)).bfloat16()
-    per_expert = (w1[0].numel() + w2[0].numel()) * w1.element_size()
+    formats = experts(a.model, H, E, I, dev, g)
     rows = []
     for n in [int(t) for t in a.tokens.split(",")]:
         # One routing per captured call, so consecutive calls hit different experts as layers do.
@@ -55,25 +78,38 @@ def main(argv: list[str] | None = None) -> None:
         routes = [torch.softmax(z, -1).topk(K, -1) for z in logits]
         ws = [(w / w.sum(-1, keepdim=True)).float() for w, _ in routes]
         ids = [i for _, i in routes]
-        us = graph_us(lambda i: fused_moe(xs[i], w1, w2, ws[i], ids[i], "gelu_tanh"), calls=a.calls)
-        bm = _block_m(n * K, E)
-        align = graph_us(lambda i: align_pairs(ids[i], E, bm), calls=a.calls)
-        ys = torch.randn(n * K, H, generator=g, device=dev).bfloat16()
-        comb = graph_us(lambda i: combine(ys, ws[i], None, torch.bfloat16), calls=a.calls)
         hit = sum(int(torch.unique(i).numel()) for i in ids) / a.calls
-        nbytes = hit * per_expert + 2 * n * H * xs[0].element_size()  # hit experts' weights, x in, out
-        r = dict(tokens=n, experts_hit=round(hit, 1),
-                 experts_expected=round(expected_experts_hit(n, E, K), 1),
-                 block_m=bm, us=round(us, 1), align_us=round(align, 1), combine_us=round(comb, 1),
-                 mb=round(nbytes / 1e6, 1), gb_per_s=round(nbytes / us / 1e3, 1),
-                 roofline_us=round(nbytes / bw * 1e6, 1), roofline_frac=round(nbytes / bw / (us * 1e-6), 3))
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-    print(f"\n{'tokens':>6} {'experts':>7} {'us':>8} {'align':>6} {'comb':>6} {'GB/s':>7} {'roof us':>8} "
+        bm = _block_m(n * K, E)
+        for fmt, kw in formats.items():
+            kw = dict(kw)
+            w1, w2, act = kw.pop("w_gate_up"), kw.pop("w_down"), kw.pop("activation")
+            if fmt == "mxfp4" and a.block_k:
+                kw["block_k"] = a.block_k
+            stored = [w1, w2, *(v for v in kw.values() if isinstance(v, torch.Tensor))]  # + scales, biases
+            per_expert = sum(t[0].numel() * t.element_size() for t in stored)
+            us = graph_us(lambda i: fused_moe(xs[i], w1, w2, ws[i], ids[i], act, **kw), calls=a.calls)  # noqa: B023
+            nbytes = hit * per_expert + 2 * n * H * xs[0].element_size()  # hit experts as stored, x in, out
+            r = dict(model=a.model, format=fmt, tokens=n, experts_hit=round(hit, 1),
+                     experts_expected=round(expected_experts_hit(n, E, K), 1), block_m=bm, us=round(us, 1),
+                     mb=round(nbytes / 1e6, 1), gb_per_s=round(nbytes / us / 1e3, 1),
+                     roofline_us=round(nbytes / bw * 1e6, 1), roofline_frac=round(nbytes / bw / (us * 1e-6), 3))
+            if not a.model.startswith("gpt-oss"):
+                r["align_us"] = round(graph_us(lambda i: align_pairs(ids[i], E, bm), calls=a.calls), 1)  # noqa: B023
+                ys = torch.randn(n * K, H, generator=g, device=dev).bfloat16()
+                comb = graph_us(lambda i: combine(ys, ws[i], None, torch.bfloat16), calls=a.calls)  # noqa: B023
+                r["combine_us"] = round(comb, 1)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print(f"\n{'format':>6} {'tokens':>6} {'experts':>7} {'us':>8} {'MB':>7} {'GB/s':>7} {'roof us':>8} "
           f"{'of roof':>8}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['experts_hit']:>7} {r['us']:>8} {r['align_us']:>6} {r['combine_us']:>6} "
+        print(f"{r['format']:>6} {r['tokens']:>6} {r['experts_hit']:>7} {r['us']:>8} {r['mb']:>7} "
               f"{r['gb_per_s']:>7} {r['roofline_us']:>8} {r['roofline_frac'] * 100:>7.1f}%")
+    us = {(r["format"], r["tokens"]): r["us"] for r in rows}
+    for n in sorted({r["tokens"] for r in rows}):
+        if ("mxfp4", n) in us and ("bf16", n) in us:
+            print(f"# {n} tokens: MXFP4 {us['mxfp4', n]} us, bf16 {us['bf16', n]} us "
+                  f"({us['bf16', n] / us['mxfp4', n]:.2f}x)")
 
 
 if __name__ == "__main__":

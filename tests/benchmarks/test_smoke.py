@@ -30,6 +30,7 @@ HELPERS = {"common.py", "load_client.py", "ttft_breakdown.py"}
 # More smoke runs for scripts with more than one mode (each list: arguments after --smoke).
 MORE_RUNS = {
     "deterministic.py": [["--probes", "--control"]],
+    "moe_kernel.py": [["--model", "gpt-oss-20b"]],  # GPT-OSS's form: MXFP4 and bf16 experts, biases
     "unified_attention_sweep.py": [["--extend"]],
 }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers as tf
@@ -39,11 +40,15 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[
     return torch.cat(out.logits).float(), out.sequences[0, len(prompt):].tolist()
 
 
-def ours_greedy(hf_model, dtype: torch.dtype, prompts: list[list[int]], s: Setup) -> tuple[list, list, list]:
-    """All prompts batched through our scheduler: per prompt, logits `[steps, vocab]` and tokens."""
-    config = ModelConfig.from_hf(hf_model.config, max_context=s.max_context)
+def ours_greedy(hf_model, dtype: torch.dtype, prompts: list[list[int]], s: Setup,
+                checkpoint: tuple[Any, dict[str, torch.Tensor]] | None = None) -> tuple[list, list, list]:
+    """All prompts batched through our scheduler: per prompt, logits `[steps, vocab]` and tokens.
+    `checkpoint`: (HF config, weights) to load instead of the HF model's own, for a quantised checkpoint
+    whose HF model holds the dequantised weights."""
+    hf_config, weights = checkpoint or (hf_model.config, hf_model.state_dict())
+    config = ModelConfig.from_hf(hf_config, max_context=s.max_context)
     model = build_model(config, dtype, DEV)
-    model.load_weights(hf_model.state_dict().items())
+    model.load_weights(weights.items())
     sched = SchedulerConfig(max_running_requests=s.max_running, max_prefill_tokens=s.prefill_chunk,
                             schedule_policy=s.policy)
     rt = build_runtime(config, model, torch.device(DEV), dtype, CacheConfig(kv_cache_bytes=s.kv_cache_bytes), sched,
@@ -70,10 +75,11 @@ def ours_greedy(hf_model, dtype: torch.dtype, prompts: list[list[int]], s: Setup
     return out
 
 
-def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]], s: Setup) -> tuple[list[dict], int]:
+def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]], s: Setup,
+            checkpoint: tuple[Any, dict[str, torch.Tensor]] | None = None) -> tuple[list[dict], int]:
     """Rows per prompt (first divergence, logit differences up to it) and the number of decode replays."""
     ref = [hf_greedy(hf_model, p, s.steps) for p in prompts]
-    our_logits, our_tokens, replays = ours_greedy(hf_model, dtype, prompts, s)
+    our_logits, our_tokens, replays = ours_greedy(hf_model, dtype, prompts, s, checkpoint)
     rows = []
     for p, (hl, ht), ol, ot in zip(prompts, ref, our_logits, our_tokens):
         assert ol.shape == hl.shape and len(ot) == s.steps
