@@ -205,7 +205,8 @@ def fused_moe(
         bn1 //= 2
     act = {"alpha": 1.0 if alpha is None else alpha, "limit": 0.0 if limit is None else limit}
     moe_gemm(x, w_gate_up, gate_up_scales, gate_up_bias, h, sorted_pairs, block_expert, n * k, top_k=k,
-             a_per_token=True, gated=True, activation=activation, **act, block_m=bm, block_n=bn1, block_k=block_k)
+             a_per_token=True, gated=True, activation=activation, **act, block_m=bm, block_n=bn1,
+             block_k=block_k)
     moe_gemm(h, w_down, down_scales, down_bias, y, sorted_pairs, block_expert, n * k, top_k=k,
              a_per_token=False, gated=False, block_m=bm, block_n=bn, block_k=block_k)
     return combine(y, topk_weights, row_valid, x.dtype)

@@ -100,8 +100,9 @@ def _moe_gemm_kernel(
             acc = _mx_dot(a_even, a_odd, w_base + byte[:, None], s_base + (byte // 16)[:, None], w_mask, acc,
                           UPCAST, PREC)
             if GATED:
-                acc_up = _mx_dot(a_even, a_odd, w_base + n_out * stride_wn + byte[:, None],
-                                 s_base + n_out * stride_sn + (byte // 16)[:, None], w_mask, acc_up, UPCAST, PREC)
+                up_w, up_s = w_base + n_out * stride_wn, s_base + n_out * stride_sn
+                acc_up = _mx_dot(a_even, a_odd, up_w + byte[:, None], up_s + (byte // 16)[:, None], w_mask,
+                                 acc_up, UPCAST, PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
         for k0 in range(0, n_in, BLOCK_K):
@@ -159,7 +160,8 @@ def moe_gemm(
     assert rows == (2 if gated else 1) * n_out, (w.shape, n_out, gated)
     if mx:
         assert w.dtype == scales.dtype == torch.uint8 and n_in % 32 == 0, (w.dtype, scales.dtype, n_in)
-        assert w.shape == (E, rows, n_in // 32, 16) and scales.shape == (E, rows, n_in // 32), (w.shape, scales.shape)
+        assert w.shape == (E, rows, n_in // 32, 16), w.shape
+        assert scales.shape == (E, rows, n_in // 32), scales.shape
         assert w.stride(3) == 1 and w.stride(2) == 16 and scales.stride(2) == 1
     else:
         assert w.shape == (E, rows, n_in) and w.stride(2) == 1, (w.shape, w.stride())

@@ -94,6 +94,7 @@ def _gated_reference(activation: str, alpha: float | None, limit: float | None):
 
         return swiglu_oai
     if activation not in _REFERENCE_ACT:
-        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(_REFERENCE_ACT)} and swiglu_oai")
+        names = sorted([*_REFERENCE_ACT, "swiglu_oai"])
+        raise ValueError(f"unsupported activation {activation!r}; supported: {names}")
     fn = get_activation(_REFERENCE_ACT[activation])
     return lambda gate, up: fn(gate) * up

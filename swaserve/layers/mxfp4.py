@@ -56,7 +56,8 @@ def is_quantized(hf: Any, module: str) -> bool:
     if quant_method(hf) != "mxfp4":
         return False
     qc = hf.quantization_config
-    skip = (qc.get("modules_to_not_convert") if isinstance(qc, dict) else getattr(qc, "modules_to_not_convert", None))
+    key = "modules_to_not_convert"
+    skip = qc.get(key) if isinstance(qc, dict) else getattr(qc, key, None)
     parts = module.split(".")
     prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
     return not any(fnmatch.fnmatchcase(p, pattern) for pattern in skip or () for p in prefixes)

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
 # Expert weight names, dense or MXFP4 (the biases are dense either way).
-_EXPERT_WEIGHTS = tuple(f".mlp.experts.{p}{s}" for p in ("gate_up_proj", "down_proj") for s in ("", "_blocks", "_scales"))
+_EXPERT_WEIGHTS = tuple(f".mlp.experts.{proj}{part}" for proj in ("gate_up_proj", "down_proj")
+                        for part in ("", "_blocks", "_scales"))
 
 
 def swiglu_params(hf: Any) -> tuple[float, float]:
@@ -82,8 +83,9 @@ class GptOssForCausalLM(CausalLM):
 
     def build_layer(self, layer_id: int) -> nn.Module:
         hf = self.hf_config
-        return GptOssDecoderLayer(self.build_attention(layer_id), GptOssMoE(hf, self.experts_quantized(layer_id)),
-                                  hf.hidden_size, self.norm_kw, sandwich=False)
+        moe = GptOssMoE(hf, self.experts_quantized(layer_id))
+        attn = self.build_attention(layer_id)
+        return GptOssDecoderLayer(attn, moe, hf.hidden_size, self.norm_kw, sandwich=False)
 
     def map_weight_name(self, name: str) -> str | None:
         if name.startswith("model.layers.") and name.endswith(_EXPERT_WEIGHTS):
@@ -91,6 +93,7 @@ class GptOssForCausalLM(CausalLM):
             packed = name.endswith(("_blocks", "_scales"))
             if layer_id < len(self.model.layers) and packed != self.experts_quantized(layer_id):
                 stored, config = ("MXFP4", "dense") if packed else ("dense", "MXFP4")
+                qc = getattr(self.hf_config, "quantization_config", None)
                 raise ValueError(f"checkpoint stores {stored} experts ({name!r}) but its config.json makes them "
-                                 f"{config} (quantization_config: {getattr(self.hf_config, 'quantization_config', None)})")
+                                 f"{config} (quantization_config: {qc})")
         return super().map_weight_name(name)

@@ -18,8 +18,8 @@ from harness import Harness
 
 from swaserve.config import ModelConfig
 from swaserve.distributed.state import TPGroup, set_tp_group
-from swaserve.layers import mxfp4
 from swaserve.layers import gpt_oss_experts as experts_mod
+from swaserve.layers import mxfp4
 from swaserve.layers.gpt_oss_experts import GptOssExperts, expert_shard
 from swaserve.loader import load_model
 from swaserve.loader.hf_dir import load_hf_config, load_model_from_dir
