@@ -1,7 +1,7 @@
 """Prefill chunks and mixed steps through captured piecewise CUDA graphs (`PiecewiseGraphRunner`)
-against the eager extend path, on tiny random models of three families (dense Gemma 3 with the fused
+against the eager extend path, on tiny random models of four families (dense Gemma 3 with the fused
 K/V store inside the pieces; Gemma 4 MoE: KV-shared layers, experts masked for padded tokens; MiMo-V2:
-sinks, Q/K 192-style vs V widths, the unfused store): batches shrink and grow, every full step pads
+sinks, Q/K 192-style vs V widths, the unfused store; GPT-OSS as released: MXFP4 experts with biases): batches shrink and grow, every full step pads
 24 -> 32 tokens, free slots and slot 0 are poisoned. fp32 and deterministic bf16: same tokens, hidden
 states and live K/V at every step (deterministic: bit for bit); default bf16: the same checks up to the
 first step where a near-tie flips a token between the two GEMM shapes (reported). Bit-identical steps
@@ -22,7 +22,7 @@ from test_piecewise_padding import run_lockstep  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4_moe", "mimo_v2_flash"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4_moe", "mimo_v2_flash", "gpt_oss_mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_piecewise_graphs_match_eager(tmp_path, family, dtype):
     fp32 = dtype is torch.float32
@@ -32,7 +32,7 @@ def test_piecewise_graphs_match_eager(tmp_path, family, dtype):
     assert len(stats["replayed_token_counts"]) > 0
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4_moe", "gpt_oss_mxfp4"])
 def test_piecewise_graphs_bit_identical_in_deterministic_mode(tmp_path, family):
     stats = run_lockstep(family, tmp_path, "triton", deterministic=True, tol=0.0, device="cuda",
                          dtype=torch.bfloat16)

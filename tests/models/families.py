@@ -57,11 +57,13 @@ def gemma3_mqa() -> Any:
 
 
 def gpt_oss() -> Any:
-    # YaRN as GPT-OSS ships it (no truncation), scaled down to this context.
+    # YaRN as GPT-OSS ships it (no truncation), scaled down to this context. A low SwiGLU clamp where
+    # transformers reads it from the config; older versions (5.17, the GPU machine's) hard-code 7.0.
     rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "truncate": False, "original_max_position_embeddings": 32}
+    limit = 1.0 if "swiglu_limit" in getattr(tf.GptOssConfig, "__dataclass_fields__", {}) else 7.0
     return tf.GptOssConfig(**COMMON, num_hidden_layers=4, head_dim=16, sliding_window=8, num_local_experts=4,
-                           num_experts_per_tok=2, swiglu_limit=1.0, rope_parameters=rope)
+                           num_experts_per_tok=2, swiglu_limit=limit, rope_parameters=rope)
 
 
 def _gemma4(**kw: Any) -> Any:
