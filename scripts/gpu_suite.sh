@@ -189,6 +189,22 @@ for _ in range(900):
             run svo_url 300 python3 benchmarks/serving_vs_offline.py --base-url http://127.0.0.1:8765 \
                 --num-requests 256 --modes stream,nonstream --clients 8 ${SVO_ARGS:-}
             kill "$srv"; wait "$srv" ;;
+        gptoss_moe)  # issue 35: the MXFP4 MoE kernel against the bf16 fused MoE, 20b and 120b expert shapes
+            run gptoss_moe 200 python3 benchmarks/moe_kernel.py --model gpt-oss-20b --tokens 1,16,64,256
+            run gptoss_moe_120b 200 python3 benchmarks/moe_kernel.py --model gpt-oss-120b --tokens 1,16,64,256 ;;
+        gptoss_decode_20b|gptoss_decode_20b_bf16|gptoss_decode_120b)  # issue 35: decode vs the roofline (bytes as stored)
+            shape=gpt-oss-${step#gptoss_decode_}
+            [ "$shape" = gpt-oss-20b_bf16 ] && shape=gpt-oss-20b-bf16
+            run "$step" 420 python3 benchmarks/decode.py --shapes "$shape" --batch-sizes "${GPTOSS_BS:-1,16,64,256}" \
+                --contexts "${GPTOSS_CTX:-1024,8192}" --steps 32 --warmup 4 --max-tokens-in-flight 2200000 ;;
+        gptoss_serve_20b|gptoss_serve_120b)  # issue 35: 200 @ 128 through swaserve serve, decode + piecewise graphs
+            shape=gpt-oss-${step#gptoss_serve_}
+            d=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import model_dir; \
+print(model_dir('$shape', tokenizer='words'))")
+            run "$step" 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
+                --num-requests 200 --concurrency 128 --window 128 --max-tokens 256 -- --max-running-requests 128 \
+                --max-context 4096 --enable-piecewise-cuda-graph
+            echo "   server log warnings: $(grep -ciE 'warn' "$OUT/$step.log")" ;;
         capacity)
             run capacity 170 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
         *) echo "unknown step $step" ;;
