@@ -89,13 +89,15 @@ class HarmonyReplyParser:
     is reasoning; of the final channel (or a message without one, or a commentary message to no one: a
     preamble for the user) content. Commentary addressed to a tool (`to=functions.x`) is kept in the
     parser's messages for tool calls and not shown. A reply that breaks the format (harmony raises)
-    continues as plain content from the token that broke it, decoded with its markers."""
+    continues as plain content from the token that broke it, decoded with its markers; one that never
+    opens a message (harmony waits for a header that never ends) is content too, at its end."""
 
     def __init__(self, chat: HarmonyChat):
         oh = chat._oh
         self._chat = chat
         self._parser = oh.StreamableParser(chat.encoding, role=oh.Role.ASSISTANT)
         self._raw: RawReply | None = None  # set once the reply left the format
+        self._before_message: list[int] | None = []  # tokens before the first message's content; None after
 
     @property
     def messages(self) -> list[Any]:
@@ -116,6 +118,11 @@ class HarmonyReplyParser:
                 break
             delta = self._parser.last_content_delta
             channel = self._parser.current_channel
+            if self._before_message is not None:  # (`parser.state` costs ~0.1 ms: not asked per token)
+                if channel is None and delta is None:
+                    self._before_message.append(tid)
+                    continue
+                self._before_message = None
             if not delta or (channel == "commentary" and self._parser.current_recipient):
                 continue  # a tool call's arguments: kept in `messages`, not shown
             (reasoning if channel == "analysis" else content).append(delta)
@@ -124,4 +131,6 @@ class HarmonyReplyParser:
     def finish(self) -> ReplyDelta:
         if self._raw is not None:
             return self._raw.finish()
+        if self._before_message:  # no message ever began: the reply is not harmony, show it as written
+            return ReplyDelta(content=self._chat.tokenizer.decode(self._before_message, skip_special_tokens=False))
         return ReplyDelta()  # harmony releases each character as soon as its bytes are complete

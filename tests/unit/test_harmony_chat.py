@@ -175,6 +175,8 @@ def test_commentary_and_broken_replies(chat: HarmonyChat) -> None:
     # Not harmony at all (a random-weight model): the rest continues as content, markers and all.
     broken = reply_ids(chat, "<|channel|>final<|message|>ok<|end|>plain words<|message|> more")
     assert split(chat, broken)[:2] == ("", "okplain words<|message|> more")
+    # No message ever opened (harmony takes it all for a header): the reply as written, at its end.
+    assert split(chat, reply_ids(chat, "Just words<|end|>, no header"))[:2] == ("", "Just words<|end|>, no header")
 
 
 def test_chat_for_picks_the_format(tok: Tokenizer, chat: HarmonyChat) -> None:
