@@ -29,11 +29,11 @@ class ChatFormat(Protocol):
 class TemplateChat:
     """Chat through the tokenizer's Jinja chat template; replies are plain text."""
 
-    stop_token_ids: list[int] = []  # the template's turn ends are already the tokenizer's EOS ids
     has_reasoning = False
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self.stop_token_ids: list[int] = []  # the template's turn ends are already the tokenizer's EOS ids
 
     def prompt_ids(self, messages: list[dict[str, str]], reasoning_effort: str | None = None) -> list[int]:
         if reasoning_effort is not None:

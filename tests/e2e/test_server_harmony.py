@@ -56,7 +56,7 @@ def server(setup: tuple[Tokenizer, HarmonyChat]) -> Iterator[LiveServer]:
 
 
 def test_chat_splits_reasoning_and_content(server: LiveServer, setup: tuple[Tokenizer, HarmonyChat]) -> None:
-    tok, chat = setup
+    _, chat = setup
     r = server.client().chat.completions.create(model=server.model, messages=MSGS)
     msg, choice = r.choices[0].message, r.choices[0]
     assert (msg.reasoning_content, msg.content, choice.finish_reason) == (ANALYSIS, FINAL, "stop")

@@ -71,7 +71,9 @@ def test_o200k_regenerated_from_tokenizer_json_is_the_exact_file(tok: Tokenizer)
 
 
 def test_vocab_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tok: Tokenizer) -> None:
-    vocab = lambda: tok.hf.backend_tokenizer.get_vocab(with_added_tokens=False)  # noqa: E731
+    def vocab() -> dict[str, int]:
+        return tok.hf.backend_tokenizer.get_vocab(with_added_tokens=False)  # type: ignore[no-any-return]
+
     real = o200k_file()
     monkeypatch.delenv(ENV, raising=False)
     cache = tmp_path / "cache"
