@@ -229,6 +229,10 @@ class ServerConfig:
     stream_interval: int = _opt(1, "tokens per SSE chunk (larger: fewer, bigger chunks; the last is sent at once)")
     chat_template: str | None = _opt(None, "Jinja chat template FILE for models without one (or `gemma`: the "
                                      "built-in Gemma turn format); chat without a template is an error")
+    separate_reasoning: bool = _opt(
+        True, "chat replies of models with a reasoning format (GPT-OSS: harmony's analysis channel) put it in "
+        "`reasoning_content` and the answer in `content`; --no-separate-reasoning leaves the reply as written, "
+        "markers included, in `content` (a request's `separate_reasoning` overrides)")
     api_server_count: int = _opt(1, "HTTP frontend processes sharing the port, each tokenizing, detokenizing and "
                                  "streaming its own requests (more than one when one frontend's CPU is the limit)")
     data_parallel_size: int = _opt(1, "independent engine replicas (one engine-core process each; on CUDA replica i "

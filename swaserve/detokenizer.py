@@ -1,5 +1,6 @@
 """IncrementalDetokenizer: turns one completion's token stream into text deltas, holding back incomplete
-UTF-8 sequences and anything that may be the start of a stop string."""
+UTF-8 sequences and anything that may be the start of a stop string (`StopStrings`, also used on chat
+replies whose content comes from a reply parser)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ class IncrementalDetokenizer:
     it sees on the full sequence), and the offsets only advance when the window decodes to text not
     ending in U+FFFD, i.e. when no UTF-8 sequence is left incomplete.
 
-    Stop strings: decoded text enters `_pending`; text is released to `.text` only once no suffix of
-    it could still grow into a stop string. When a stop string appears, the completion is cut just
+    Stop strings (`StopStrings`): decoded text is released to `.text` only once no suffix of it could
+    still grow into a stop string. When a stop string appears, the completion is cut just
     before it, `.stopped` becomes True and `.finish_matched` names it; no character of a stop string
     is ever released. Invariant: `.text` == concatenation of every delta returned so far.
 
@@ -40,19 +41,21 @@ class IncrementalDetokenizer:
         self._tokenizer = getattr(tokenizer, "hf", tokenizer)
         self._backend_decode = _backend_decode(self._tokenizer)
         self.skip_special_tokens = skip_special_tokens
-        self.stop = list(stop or [])
         self._ids = list(prompt_token_ids)
         self._prefix_offset = max(len(self._ids) - _PROMPT_CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
         self._num_prompt_tokens = len(self._ids)
-        self._text = ""  # released text
-        self._pending = ""  # decoded, complete characters not yet released (stop-string hold-back)
+        self._stops = StopStrings(stop)
         self.stopped = False
         self.finish_matched: str | None = None
 
     @property
     def text(self) -> str:
-        return self._text
+        return self._stops.text
+
+    @property
+    def stop(self) -> list[str]:
+        return self._stops.stop
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -65,8 +68,7 @@ class IncrementalDetokenizer:
         if isinstance(new_token_ids, int):
             new_token_ids = [new_token_ids]
         self._ids.extend(new_token_ids)
-        self._pending += self._decode_new()
-        return self._release(final=False)
+        return self._release(self._decode_new(), final=False)
 
     def flush(self) -> str:
         """Release everything held back, for a completion that ended without matching a stop string.
@@ -76,11 +78,12 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return ""
+        tail = ""
         if self._read_offset < len(self._ids):
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            self._pending += self._decode(self._ids[self._prefix_offset :])[len(prefix) :]
+            tail = self._decode(self._ids[self._prefix_offset :])[len(prefix) :]
             self._prefix_offset = self._read_offset = len(self._ids)
-        return self._release(final=True)
+        return self._release(tail, final=True)
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -98,17 +101,43 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
 
-    def _release(self, final: bool) -> str:
-        pending = self._pending
+    def _release(self, new_text: str, final: bool) -> str:
+        stops = self._stops
+        release = stops.push(new_text, final)
+        if stops.matched is not None:
+            self.stopped, self.finish_matched = True, stops.matched
+        return release
+
+
+class StopStrings:
+    """Stop strings over a text stream: `push` returns the text that can be released. Text is held back
+    while a suffix of it could still grow into a stop string; when one appears, the text is cut just
+    before it and `matched` names it (nothing more is released after that). Invariant: `.text` is the
+    concatenation of everything released."""
+
+    def __init__(self, stop: list[str] | None = None):
+        self.stop = list(stop or [])
+        self.text = ""
+        self.matched: str | None = None
+        self._pending = ""  # complete characters not yet released
+
+    def push(self, new_text: str, final: bool = False) -> str:
+        """Add text; `final`: nothing follows, so release whatever is held back (if no stop string matched)."""
+        if self.matched is not None:
+            return ""
+        pending = self._pending + new_text
+        if not self.stop:  # the common case: nothing to hold back
+            self._pending = ""
+            self.text += pending
+            return pending
         cut, matched = _find_stop(pending, self.stop)
         if matched is not None:
-            self.stopped = True
-            self.finish_matched = matched
+            self.matched = matched
             release, self._pending = pending[:cut], ""
         else:
             hold = 0 if final else _stop_prefix_len(pending, self.stop)
             release, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
-        self._text += release
+        self.text += release
         return release
 
 

@@ -64,6 +64,8 @@ class Tokenizer:
     Invariants: `encode(text)` adds the model's special prefix/suffix (e.g. `<bos>`) exactly once, even
     when `text` already starts with it (chat templates that write `<bos>` themselves);
     `eos_token_ids` is non-empty when the model defines an EOS and lists every id that ends a turn.
+    `chat_format` "harmony" (GPT-OSS, from its config): chat goes through `swaserve.chat.harmony`, and the
+    template's `<|end|>`, which closes a message inside a reply, is not a stop id.
     """
 
     def __init__(
@@ -71,9 +73,11 @@ class Tokenizer:
         hf: PreTrainedTokenizerBase,
         chat_template: str | None,
         extra_eos_ids: list[int] | tuple[int, ...] = (),
+        chat_format: str | None = None,
     ):
         self.hf = hf
         self.chat_template = chat_template
+        self.chat_format = chat_format
         probe = "a"
         bare = hf.encode(probe, add_special_tokens=False)
         full = hf.encode(probe, add_special_tokens=True)
@@ -87,6 +91,8 @@ class Tokenizer:
         self.eos_token_ids: list[int] = list(dict.fromkeys([*eos, *extra_eos_ids, *turn_ends]))
 
     def _turn_end_ids(self, template: str | None) -> list[int]:
+        if self.chat_format == "harmony":
+            return []  # a reply ends on harmony's own stop tokens (generation_config's EOS ids)
         return [i for t in _TURN_ENDS if t in (template or "") and (i := _token_id(self.hf, t)) is not None]
 
     # -- construction ------------------------------------------------------------------------------
@@ -107,7 +113,7 @@ class Tokenizer:
             ids = json.loads(gen.read_text()).get("eos_token_id")
             extra = [ids] if isinstance(ids, int) else list(ids or [])
         template = hf.chat_template if isinstance(hf.chat_template, str) else None
-        return cls(hf, template, extra)
+        return cls(hf, template, extra, chat_format=_chat_format(path))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -141,6 +147,9 @@ class Tokenizer:
         """This tokenizer with another chat template (its turn-end tokens join the stop ids)."""
         if template is None:
             return self
+        if self.chat_format == "harmony":
+            raise ValueError("GPT-OSS chat uses its harmony format (rendered and parsed by openai-harmony); "
+                             "--chat-template does not apply to it")
         base = [i for i in self.eos_token_ids if i not in self._turn_end_ids(self.chat_template)]
         return Tokenizer(self.hf, template, base)
 
@@ -181,6 +190,19 @@ class Tokenizer:
         except TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
         return str(text)
+
+
+def _chat_format(path: Path) -> str | None:
+    """"harmony" for a GPT-OSS checkpoint (its config's model type or architecture), else None."""
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        hf_config = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None  # the model loader reports a broken config; the tokenizer works without it
+    archs = hf_config.get("architectures") or []
+    return "harmony" if hf_config.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in archs else None
 
 
 def _token_id(hf: PreTrainedTokenizerBase, token: str) -> int | None:

@@ -131,19 +131,24 @@ def create_app(
         arrival = time.monotonic()
         req = await _parse(request, ChatCompletionRequest, max_body_bytes)
         check_model(req.model)
+        if req.reasoning_effort is not None and not client.chat.has_reasoning:
+            raise APIError(400, "reasoning_effort applies only to models with a reasoning format (GPT-OSS)",
+                           param="reasoning_effort")
         rid, messages = f"chatcmpl-{uuid.uuid4().hex}", [m.as_template_dict() for m in req.messages]
         logprobs = req.engine_logprobs
+        split = client.splits_reasoning(req.separate_reasoning)
         subs = [
             SubRequest(
                 f"{rid}-{j}", j, messages=messages,
                 sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": req.max_new_tokens,
                           "logprobs": logprobs},
                 token_strings=logprobs is not None, stream=bool(req.stream),
+                reasoning_effort=req.reasoning_effort, separate_reasoning=split,
             )
             for j in range(req.num_choices)
         ]
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
-        choices = Choices(len(subs), len(subs), chat=True, logprobs=logprobs)
+        choices = Choices(len(subs), len(subs), chat=True, logprobs=logprobs, reasoning=split)
         return await _respond(request, client.generate(subs, arrival), head, choices, req.stream, req.include_usage)
 
     return app

@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from swaserve.chat import ParsedReply, chat_for
 from swaserve.core.engine_core import CoreSpec
 from swaserve.core.messages import AbortRequests, AddRequest, RequestDelta, StepOutputs
 from swaserve.core.request_trace import RequestTrace
@@ -43,11 +44,12 @@ class _Track:
     queue: asyncio.Queue[list[Update]]
     arrival: float
     prompt_tokens: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | ParsedReply  # ParsedReply: a chat reply of a model with a reasoning format
     replica: int  # the engine core that runs it
     accepted: bool = False
     tokens: int = 0  # token ids handed out (posted or pending)
     chars: int = 0  # characters of detok.text handed out
+    reasoning_chars: int = 0  # characters of detok.reasoning handed out (ParsedReply)
     last_token: float = 0.0
     posted: bool = False  # an update with tokens or text was posted
     pending: Update | None = None  # held back until stream_interval tokens (or the end)
@@ -66,13 +68,18 @@ class EngineClient:
     def __init__(self, spec: CoreSpec, tokenizer: Any, metrics: ServerMetrics | None = None,
                  stream_interval: int = 1, on_fatal: Callable[[], None] | None = None,
                  data_parallel_size: int = 1, frontend: int = 0,
-                 endpoints: list[tuple[str, str]] | None = None):
+                 endpoints: list[tuple[str, str]] | None = None, separate_reasoning: bool = True):
         """`frontend`, `endpoints`: this process's index among several frontends and its (input, output)
-        addresses to each replica's core, which another process starts (`server/frontends.py`)."""
+        addresses to each replica's core, which another process starts (`server/frontends.py`).
+        `separate_reasoning`: chat replies of models with a reasoning format put it in `reasoning_content`
+        (a request's `separate_reasoning` overrides). ValueError when the model's chat format cannot load
+        (GPT-OSS without its vocabulary)."""
         self.spec = spec
         self.data_parallel_size = data_parallel_size
         self.frontend, self.endpoints = frontend, endpoints
         self.tokenizer = tokenizer
+        self.chat = chat_for(tokenizer)
+        self.separate_reasoning = separate_reasoning
         self.metrics = metrics or ServerMetrics()
         self.stream_interval = max(1, int(stream_interval))
         self.on_fatal = on_fatal
@@ -138,6 +145,11 @@ class EngineClient:
 
     # ---- requests ----------------------------------------------------------------------------------
 
+    def splits_reasoning(self, requested: bool | None) -> bool:
+        """Whether a chat request's replies put their reasoning in `reasoning_content` (`requested`: the
+        request's `separate_reasoning`, None for the server's setting)."""
+        return self.chat.has_reasoning and (self.separate_reasoning if requested is None else requested)
+
     def generate(self, subs: list[SubRequest], arrival: float | None = None) -> Generation:
         """Send `subs` (one API request's sequences) to a core; `arrival`: when the request reached the
         server (its route handler's start; default now), what TTFT and E2E are counted from."""
@@ -150,17 +162,23 @@ class EngineClient:
         replica = cores.pick()  # n > 1: every choice on one replica
         for sub in subs:
             try:
-                ids = prompt_ids(self.tokenizer, sub)
+                ids = prompt_ids(self.tokenizer, self.chat, sub)
                 params = sampling_params(sub, len(ids), self.max_context)
             except (APIError, ValueError) as e:
                 self.metrics.count_rejected()
                 gen.queue.put_nowait([Update(sub.index, error=e if isinstance(e, APIError) else
                                              APIError(400, str(e), code="invalid_value"))])
                 continue
-            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
-            self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica)
             sampling = {k: v for k, v in sub.sampling.items() if k != "stop"}
             sampling["max_tokens"] = params.max_tokens
+            parser = self.chat.reply_parser(sub.separate_reasoning) if sub.messages is not None else None
+            detok: IncrementalDetokenizer | ParsedReply
+            if parser is not None:
+                detok = ParsedReply(parser, stop=params.stop)
+                sampling["stop_token_ids"] = [*params.stop_token_ids, *self.chat.stop_token_ids]
+            else:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
+            self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica)
             cores.add(replica, AddRequest(sub.request_id, ids, sampling, self.frontend))
             self.requests.arrived(sub.request_id, arrival, time.monotonic())
         return gen
@@ -261,6 +279,9 @@ class EngineClient:
             upd.spec = delta.spec
         upd.text += detok.text[track.chars :]
         track.chars = len(detok.text)
+        if isinstance(detok, ParsedReply) and len(detok.reasoning) > track.reasoning_chars:
+            upd.reasoning += detok.reasoning[track.reasoning_chars :]
+            track.reasoning_chars = len(detok.reasoning)
         upd.token_ids += new_ids
         if delta.logprobs is not None:
             lps = delta.logprobs[: len(new_ids)]

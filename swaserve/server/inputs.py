@@ -1,4 +1,4 @@
-"""A sub-request's engine input, checked at the boundary: prompt token ids (chat template applied) and
+"""A sub-request's engine input, checked at the boundary: prompt token ids (chat format applied) and
 SamplingParams within the context length; bad input is a 400 `APIError`."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from swaserve.server.messages import SubRequest
 from swaserve.server.protocol import APIError
 
 
-def prompt_ids(tok: Any, sub: SubRequest) -> list[int]:
-    """The prompt's token ids (chat messages through the tokenizer's template); 400 for bad input."""
+def prompt_ids(tok: Any, chat: Any, sub: SubRequest) -> list[int]:
+    """The prompt's token ids (chat messages through the model's chat format, `swaserve.chat`); 400 for bad
+    input."""
     prompt = sub.prompt
     if sub.messages is not None:
         try:
-            prompt = tok.apply_chat_template(sub.messages, add_generation_prompt=True)
-        except ValueError as e:  # no template (a base model), or the template rejected the messages
+            prompt = chat.prompt_ids(sub.messages, reasoning_effort=sub.reasoning_effort)
+        except ValueError as e:  # no template (a base model), the template rejected the messages, bad options
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # template errors (jinja raise_exception) are about the input
             raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e

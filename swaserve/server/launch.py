@@ -52,7 +52,8 @@ def make_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = No
         holder["server"].should_exit = True
 
     client = EngineClient(core, tokenizer, stream_interval=cfg.stream_interval, on_fatal=on_fatal,
-                          data_parallel_size=cfg.data_parallel_size, frontend=frontend, endpoints=endpoints)
+                          data_parallel_size=cfg.data_parallel_size, frontend=frontend, endpoints=endpoints,
+                          separate_reasoning=cfg.separate_reasoning)
     client.start_core()
     try:
         app = create_app(client, served_model_name=cfg.served_model_name, api_key=cfg.api_key,
@@ -88,8 +89,10 @@ def run_server(core: CoreSpec, tokenizer: Any, config: ServerConfig | None = Non
     when an engine core died."""
     cfg = config or ServerConfig()
     if cfg.api_server_count > 1:
+        from swaserve.chat import chat_for
         from swaserve.server.frontends import run_frontends
 
+        chat_for(tokenizer)  # a chat format that cannot load (GPT-OSS without its vocabulary) fails here, once
         return run_frontends(core, tokenizer, cfg)
     server, sock = build_server(core, tokenizer, cfg)
     app = cast("FastAPI", server.config.app)

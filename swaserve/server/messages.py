@@ -20,6 +20,8 @@ class SubRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # max_tokens None: the rest of the context
     token_strings: bool = False  # also send the text of every token id in logprobs
     stream: bool = True  # False: the route wants the whole completion, so one update at the end
+    reasoning_effort: str | None = None  # chat, models with a reasoning format
+    separate_reasoning: bool = False  # chat: the reply's reasoning goes to `Update.reasoning`, not `text`
 
 
 @dataclass(slots=True)
@@ -27,7 +29,8 @@ class Update:
     """EngineClient -> a route, for one sub-request: everything new since its previous update."""
 
     index: int
-    text: str = ""
+    text: str = ""  # chat: the content
+    reasoning: str = ""  # chat with separate reasoning: the reasoning content
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     token_strs: dict[int, str] | None = None

@@ -264,6 +264,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # models with a reasoning format (GPT-OSS)
+    # SGLang's name: False leaves the reasoning in `content` (the reply as written); None: the server's setting.
+    separate_reasoning: bool | None = None
 
     @model_validator(mode="after")
     def _check_options(self) -> ChatCompletionRequest:

@@ -48,7 +48,7 @@ def merge(batch: list[Update]) -> list[Update]:
         prev = merged.get(upd.index)
         if prev is None:
             merged[upd.index] = Update(
-                upd.index, upd.text, list(upd.token_ids),
+                upd.index, upd.text, upd.reasoning, list(upd.token_ids),
                 None if upd.logprobs is None else list(upd.logprobs),
                 None if upd.token_strs is None else dict(upd.token_strs), upd.finish_reason,
                 cached_tokens=upd.cached_tokens, seed=upd.seed, spec=upd.spec,
@@ -58,6 +58,7 @@ def merge(batch: list[Update]) -> list[Update]:
         if prev.cached_tokens is None:
             prev.cached_tokens, prev.seed = upd.cached_tokens, upd.seed
         prev.text += upd.text
+        prev.reasoning += upd.reasoning
         prev.token_ids += upd.token_ids
         if upd.logprobs is not None:
             prev.logprobs = (prev.logprobs or []) + upd.logprobs
@@ -104,13 +105,19 @@ def chat_logprobs(upd: Update, top: int) -> list[dict[str, Any]]:
 
 
 class Choices:
-    """Accumulates every choice of one request; renders the non-streaming body and the usage."""
+    """Accumulates every choice of one request; renders the non-streaming body and the usage.
 
-    def __init__(self, num_choices: int, choices_per_prompt: int, chat: bool, logprobs: int | None):
+    `reasoning` (chat of a model with a reasoning format, reasoning separated): messages and deltas carry
+    `reasoning_content` beside `content`, as vLLM and SGLang send it."""
+
+    def __init__(self, num_choices: int, choices_per_prompt: int, chat: bool, logprobs: int | None,
+                 reasoning: bool = False):
         self.chat = chat
+        self.reasoning = reasoning
         self.logprobs = logprobs
         self.per_prompt = choices_per_prompt
         self.text = [""] * num_choices
+        self.reasoning_text = [""] * num_choices
         self.tokens = [0] * num_choices
         self.finish: list[str | None] = [None] * num_choices
         self.cached = [0] * num_choices  # prompt tokens served from the prefix cache
@@ -134,6 +141,7 @@ class Choices:
         i = upd.index
         self.note_first(upd)
         self.text[i] += upd.text
+        self.reasoning_text[i] += upd.reasoning
         self.tokens[i] += len(upd.token_ids)
         self.finish[i] = upd.finish_reason or self.finish[i]
         if self.logprobs is not None and upd.logprobs is not None:
@@ -164,8 +172,10 @@ class Choices:
         for i, text in enumerate(self.text):
             lp = None if self.logprobs is None else ({"content": self.lp[i]} if self.chat else self.lp[i])
             if self.chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": text},
-                          "logprobs": lp, "finish_reason": self.finish[i]}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.reasoning:
+                    message["reasoning_content"] = self.reasoning_text[i] or None
+                choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": self.finish[i]}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i]}
             if self.seed[i] is not None:
@@ -194,10 +204,12 @@ async def stream_chunks(
                 if choices.logprobs is not None and upd.logprobs:
                     lp = ({"content": chat_logprobs(upd, choices.logprobs)} if chat
                           else choices.lp_completion[upd.index].render(upd))
-                if not (upd.text or upd.finish_reason or lp):
+                if not (upd.text or upd.reasoning or upd.finish_reason or lp):
                     continue
                 if chat:
-                    delta = {"content": upd.text} if upd.text or lp else {}
+                    delta = {"reasoning_content": upd.reasoning} if upd.reasoning else {}
+                    if upd.text or (lp and not upd.reasoning):
+                        delta["content"] = upd.text
                     choice = {"index": upd.index, "delta": delta, "logprobs": lp, "finish_reason": upd.finish_reason}
                 else:
                     choice = {"index": upd.index, "text": upd.text, "logprobs": lp,

@@ -74,3 +74,22 @@ def test_chat_with_explicit_template_and_plain_completion(tmp_path):
     assert r.returncode == 0, r.stderr
     plain = _cli("generate", "The capital of France is", "--max-tokens", "3", "--device", "cpu", "--max-context", "256")
     assert plain.returncode == 0 and plain.stdout.strip(), plain.stdout + plain.stderr
+
+
+@pytest.mark.slow  # ~10 s: a subprocess loads torch, the 201k-token tokenizer and the model
+def test_gpt_oss_chat_uses_harmony(tmp_path):
+    """--chat on GPT-OSS (the tiny directory, random weights): rendered by harmony, the vocabulary
+    regenerated from its tokenizer.json; --chat-template does not apply to it."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from harmony_model import gpt_oss_dir
+
+    model = str(gpt_oss_dir())
+    env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_ENCODINGS_BASE"}
+    env["SWASERVE_CACHE"] = str(tmp_path)
+    argv = [sys.executable, "-m", "swaserve", "generate", "hi", "--chat", "--model", model, "--load-format", "dummy",
+            "--max-tokens", "6", "--device", "cpu", "--max-context", "256"]
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr  # random weights: no harmony message, all content
+    assert (tmp_path / "harmony" / "o200k_base.tiktoken").is_file()
+    r = _cli("generate", "hi", "--chat", "--model", model, "--chat-template", "gemma")
+    assert r.returncode == 2 and "harmony format" in r.stderr
