@@ -33,7 +33,8 @@ DURATIONS = ROOT / "scripts" / "gpu_check_durations.json"
 TARGET_S = 40.0
 # The quick benchmarks (step e), in order, alone on the first GPU after the tests.
 BENCHMARKS = [("e_decode_bench", ["benchmarks/decode.py", "--quick"]),
-              ("f_offline_bench", ["benchmarks/offline_throughput.py", "--num-requests", "128"])]
+              ("f_offline_bench", ["benchmarks/offline_throughput.py", "--num-requests", "128"]),
+              ("g_moe_bench", ["benchmarks/moe_kernel.py", "--model", "gpt-oss-20b"])]
 BENCH_RESERVE_S = 150.0
 # Files whose tests hold a large model (fp32 real-shape cuts next to HF's copy): one at a time per GPU.
 HEAVY = ("test_gemma4_vs_hf.py", "test_mimo_v2_flash_vs_hf.py", "test_gpt_oss_vs_hf.py", "test_gemma3_1b_vs_hf.py")

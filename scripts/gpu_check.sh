@@ -2,8 +2,8 @@
 # The GPU machine's one command, from the repo root: `bash scripts/gpu_check.sh [--steps a,b,...]`.
 # Every step runs to completion within one 10-minute device call on a fresh machine (scripts/gpu_check.py):
 # (a) the kernel tests natively on CUDA, (b) the GPU-marked tests, (c) graph padding with the opt-in fast
-# paths on, (d) the tests that need two GPUs (where two are visible), (e) the quick decode benchmark and
-# (f) offline throughput, alone after the tests.
+# paths on, (d) the tests that need two GPUs (where two are visible), then alone after the tests (e) the
+# quick decode benchmark, (f) offline throughput and (g) GPT-OSS's MXFP4 MoE kernel against bf16.
 # Tests are sharded over every visible GPU in parallel processes; logs and a summary table with pass/fail
 # counts per step go to $OUT (default /tmp/out). Exits non-zero if any step failed.
 set -uo pipefail

@@ -20,32 +20,34 @@ MXFP4_BLOCK_K = 128  # inputs per step of an MXFP4 row: 64 bytes of codes, 4 sca
 
 
 @triton.jit
-def _e2m1(code):
-    """FP4 e2m1 codes (uint8, 0..15) -> float32 values, exactly, without subnormals (a flush-to-zero
-    multiply would lose the 0.5 of code 1): exponent e and mantissa f placed into a float32 with
-    exponent e + 126 give 2^(e-1) (1 + f/2) for e >= 1; codes 0 and 1 are 0 and 0.5."""
-    m = (code & 7).to(tl.uint32)
-    normal = ((m << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    mag = tl.where(m < 2, m.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _e8m0(s):
-    """e8m0 scale bytes -> float32 2^(s-127) (s = 0, a subnormal no quantiser emits, reads as 0)."""
-    return (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+def _mx_values(code, scale, ty: tl.constexpr):
+    """MXFP4 values in `ty` (bf16 or fp32), exactly: FP4 e2m1 codes (0..15, int32) times their e8m0 scale
+    bytes 2^(s-127), built as bit patterns without a multiply. A code of exponent e >= 1 and mantissa m is
+    2^(e-1) (1 + m/2), so its scaled value has exponent field e + s - 1 and mantissa bit m; code 1 (0.5)
+    has exponent field s - 1 and no mantissa; code 0 is 0. The sign is the code's bit 3. Values whose
+    exponent field would be < 1 (scales below 2^-125, which no quantiser emits) read as 0."""
+    mag = code & 7
+    exp = (mag >> 1) + scale - 1
+    mant = tl.where(mag >= 2, mag & 1, 0)
+    zero = (mag == 0) | (exp < 1)
+    if ty == tl.bfloat16:
+        bits = tl.where(zero, 0, (exp << 7) | (mant << 6)) | ((code & 8) << 12)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    bits = tl.where(zero, 0, (exp << 23) | (mant << 22)) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True).to(ty)
 
 
 @triton.jit
 def _mx_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, acc, UPCAST: tl.constexpr, PREC: tl.constexpr):
     """acc + a @ W for one K step of an MXFP4 weight: `w_ptrs` [K/2, N] code bytes (low nibble the even
     input, high the odd), `s_ptrs` [K/2, N] the scale of each byte's group; `a_even`/`a_odd` [M, K/2] the
-    activations of the even and odd inputs, so no register shuffle interleaves the nibbles."""
-    q = tl.load(w_ptrs, mask=mask, other=0)
-    scale = _e8m0(tl.load(s_ptrs, mask=mask, other=127))
-    ty = a_even.dtype
-    w_even = (_e2m1(q & 15) * scale).to(ty)
-    w_odd = (_e2m1(q >> 4) * scale).to(ty)
+    activations of the even and odd inputs, so no register shuffle interleaves the nibbles. The weights
+    are dequantised straight into the activations' dtype."""
+    q = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
+    ty: tl.constexpr = a_even.dtype
+    w_even = _mx_values(q & 15, scale, ty)
+    w_odd = _mx_values(q >> 4, scale, ty)
     return acc + _dot(a_even, w_even, UPCAST, PREC) + _dot(a_odd, w_odd, UPCAST, PREC)
 
 
