@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from swaserve.h2d import to_device
 
-if TYPE_CHECKING:
-    from swaserve.attention.base import AttentionBackend
+
+class BatchAttention(Protocol):
+    """What a layer calls on `ForwardBatch.attn_backend` (`attention.base.AttentionBackend` implements
+    it). Declared here, below attention: the batch is handed down to the backends, which import it."""
+
+    fused_kv_store: bool
+
+    def kv_target(self, spec: Any, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, spec: Any,
+                batch: ForwardBatch, sinks: torch.Tensor | None = None, kv_stored: bool = False,
+                ) -> torch.Tensor:
+        ...
 
 
 class ForwardMode(enum.Enum):
@@ -76,7 +88,7 @@ class ForwardBatch:
     # [2, k] int64, device (mixed extend batches): (token index, request row) of inputs still in
     # flight, which the ModelRunner copies from its last-token table into input_ids; None: none.
     table_inputs: torch.Tensor | None = None
-    attn_backend: AttentionBackend | None = None
+    attn_backend: BatchAttention | None = None
     attn_metadata: Any = field(default=None, repr=False)  # built by attn_backend.init_forward_metadata
     # Per-forward scratch shared by layers (e.g. rotary cos/sin); dies with the batch, so nothing
     # computed for one step or one capture run is ever reused by another.
