@@ -10,7 +10,7 @@ import torch
 from swaserve.runner.decode_graph import DecodeGraphRunner
 
 if TYPE_CHECKING:
-    from swaserve.runner.model_runner import ModelRunner
+    from swaserve.runner.graph_target import GraphTarget
 
 
 class CpuGraphRunner(DecodeGraphRunner):
@@ -18,7 +18,7 @@ class CpuGraphRunner(DecodeGraphRunner):
     dynamic); attention metadata is built eagerly from the static buffers before each call, so
     every replay sees the live rows and the reset padded rows."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, compile_backend: str = "inductor"):
+    def __init__(self, runner: GraphTarget, max_bs: int, compile_backend: str = "inductor"):
         super().__init__(runner, max_bs)
         self._compiled: Any = torch.compile(self._model_step, backend=compile_backend, dynamic=True)
         for bs in reversed(self.sizes):  # compile/warm every size up front, like a capture

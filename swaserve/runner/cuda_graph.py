@@ -11,7 +11,7 @@ import torch
 from swaserve.runner.decode_graph import DecodeGraphRunner
 
 if TYPE_CHECKING:
-    from swaserve.runner.model_runner import ModelRunner
+    from swaserve.runner.graph_target import GraphTarget
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,7 +53,7 @@ class CudaGraphRunner(DecodeGraphRunner):
     `out_cache_loc` (padded rows 0). Nothing batch-dependent is frozen into a capture.
     """
 
-    def __init__(self, runner: ModelRunner, max_bs: int):
+    def __init__(self, runner: GraphTarget, max_bs: int):
         super().__init__(runner, max_bs)
         if not hasattr(self.backend, "init_forward_metadata_graph"):
             raise ValueError(f"{type(self.backend).__name__} cannot be captured in a CUDA graph; use triton")

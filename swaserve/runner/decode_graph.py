@@ -18,7 +18,7 @@ from swaserve.runner.graph_buffers import (
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
-    from swaserve.runner.model_runner import ModelRunner
+    from swaserve.runner.graph_target import GraphTarget
 
 
 class DecodeGraphRunner(ABC):
@@ -29,7 +29,7 @@ class DecodeGraphRunner(ABC):
     batches and extend steps fall back to the eager runner (`can_run` says which).
     """
 
-    def __init__(self, runner: ModelRunner, max_bs: int):
+    def __init__(self, runner: GraphTarget, max_bs: int):
         self.runner = runner
         self.model = runner.model
         self.backend = runner.attn_backend

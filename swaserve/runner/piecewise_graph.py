@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from swaserve.attention.base import AttentionBackend, AttentionSpec
-    from swaserve.runner.model_runner import ModelRunner
+    from swaserve.runner.graph_target import GraphTarget
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class PiecewiseGraphRunner:
     of every live token, with the scratch outputs the model wrote (`aux_hidden`), both views valid
     until the next replay."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, capture: bool = True):
+    def __init__(self, runner: GraphTarget, max_tokens: int, capture: bool = True):
         self.runner = runner
         self.model = runner.model
         self.backend = runner.attn_backend

@@ -22,7 +22,7 @@ from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 from swaserve.runner.graph_buffers import ScratchSlots, capture_batch_sizes, padded_batch_size
 
 if TYPE_CHECKING:
-    from swaserve.runner.model_runner import ModelRunner
+    from swaserve.runner.graph_target import GraphTarget
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class VerifyGraphRunner:
     program eagerly instead of replaying a CUDA graph (the CPU tests of the padding rules, with the
     Triton backend interpreted). Needs a backend with `init_forward_metadata_strided` (triton)."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, q_len: int, capture: bool = True):
+    def __init__(self, runner: GraphTarget, max_bs: int, q_len: int, capture: bool = True):
         self.runner = runner
         self.model = runner.model
         self.backend = runner.attn_backend
