@@ -154,7 +154,7 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
     from swaserve.config import ModelConfig
     from swaserve.loader import LoadedModel
     from swaserve.loader.dummy import init_dummy_weights
-    from swaserve.runner.model_runner import build_model
+    from swaserve.models.registry import build_model
 
     hf = hf_config(shape, max_positions)
     config = ModelConfig.from_hf(hf)

@@ -29,7 +29,7 @@ def tiny_gemma3():
 
     from swaserve.config import ModelConfig
     from swaserve.loader import LoadedModel
-    from swaserve.runner.model_runner import build_model
+    from swaserve.models.registry import build_model
 
     hf = Gemma3TextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=1,
                           num_key_value_heads=1, head_dim=32, intermediate_size=64, sliding_window=512,

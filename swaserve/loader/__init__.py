@@ -47,7 +47,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_
     """`load_format="dummy"`: the model's shapes with random weights (`loader.dummy`); an HF
     directory then needs only config.json (and tokenizer files, for text prompts)."""
     from swaserve.loader.resolve import resolve_model
-    from swaserve.runner.model_runner import build_model
+    from swaserve.models.registry import build_model
     from swaserve.tokenizer import Tokenizer
 
     if load_format not in LOAD_FORMATS:

@@ -47,7 +47,7 @@ def load_model_from_dir(
 
     `dtype` None: the checkpoint's dtype from config.json (float32 if it names none).
     """
-    from swaserve.runner.model_runner import build_model
+    from swaserve.models.registry import build_model
 
     hf = load_hf_config(path)
     if not safetensors_files(path):

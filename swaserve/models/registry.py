@@ -1,10 +1,16 @@
-"""HF architecture name -> model class, imported lazily so only the family in use is loaded."""
+"""HF architecture name -> model class, imported lazily so only the family in use is loaded, and
+`build_model`, which instantiates that class without initialising its weights."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from swaserve.config import ModelConfig
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("swaserve.models.llama", "LlamaForCausalLM"),
@@ -49,3 +55,18 @@ def get_model_class(architecture: str, model_type: str | None = None) -> type[nn
         )
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)
+
+
+def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The registry class for `model_config`, with uninitialised weights of `dtype` on `device`.
+
+    Built on the meta device first so no time goes into random init that `load_weights` overwrites
+    (rotary tables are computed explicitly on the CPU and survive this).
+    """
+    hf = model_config.hf_config
+    if hf is None:
+        raise ValueError("ModelConfig has no hf_config; build it with ModelConfig.from_hf")
+    cls = get_model_class(model_config.architecture, getattr(hf, "model_type", None))
+    with torch.device("meta"):
+        model = cls(hf)
+    return model.to(dtype=dtype).to_empty(device=torch.device(device)).eval()

@@ -1,7 +1,5 @@
 """ModelRunner: one model step (attention metadata, model, last-token hidden states; logits or tokens
-from those), and `build_model`, which instantiates a registry model without initialising its
-weights.
-"""
+from those), and the attention backend it owns, chosen by name."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ import torch
 from torch import nn
 
 from swaserve.distributed.state import tp_group
-from swaserve.models.registry import get_model_class
 
 if TYPE_CHECKING:
     from swaserve.attention.base import AttentionBackend
@@ -53,21 +50,6 @@ def create_attention_backend(
     backend_cls = getattr(importlib.import_module(module), cls)
     kw = {"deterministic": True} if deterministic and name == "triton" else {}
     return backend_cls(kv, req_to_token, full_to_swa, sliding_window=sliding_window, **kw)
-
-
-def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """The registry class for `model_config`, with uninitialised weights of `dtype` on `device`.
-
-    Built on the meta device first so no time goes into random init that `load_weights` overwrites
-    (rotary tables are computed explicitly on the CPU and survive this).
-    """
-    hf = model_config.hf_config
-    if hf is None:
-        raise ValueError("ModelConfig has no hf_config; build it with ModelConfig.from_hf")
-    cls = get_model_class(model_config.architecture, getattr(hf, "model_type", None))
-    with torch.device("meta"):
-        model = cls(hf)
-    return model.to(dtype=dtype).to_empty(device=torch.device(device)).eval()
 
 
 class ModelRunner:

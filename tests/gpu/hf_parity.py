@@ -14,7 +14,7 @@ import transformers as tf
 from engine_driver import count_replays, forward, make_req
 
 from swaserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
-from swaserve.runner.model_runner import build_model
+from swaserve.models.registry import build_model
 from swaserve.runtime import build_runtime
 
 DEV = "cuda"

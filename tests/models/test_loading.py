@@ -15,8 +15,7 @@ from harness import Harness
 from swaserve.config import ModelConfig
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.loader.safetensors import iter_safetensors, safetensors_files
-from swaserve.models.registry import get_model_class, supported_architectures
-from swaserve.runner.model_runner import build_model
+from swaserve.models.registry import build_model, get_model_class, supported_architectures
 
 PROMPTS = [list(range(3, 30)), list(range(40, 51))]  # 27 and 11 tokens: both cross W = 8
 

@@ -20,7 +20,7 @@ from swaserve.layers.moe import GroupedTopKRouter
 from swaserve.layers.rotary import rope_from_config
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.loader.safetensors import iter_safetensors
-from swaserve.runner.model_runner import build_model
+from swaserve.models.registry import build_model
 
 W = 8
 ATOL = 1e-4
