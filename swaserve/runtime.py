@@ -21,6 +21,7 @@ from swaserve.memory import (
     plan_memory,
 )
 from swaserve.prefix_cache import RadixCache
+from swaserve.prefix_cache.integrity import check_tree
 from swaserve.runner.memory_budget import device_memory_gib, kv_budget_bytes
 from swaserve.runner.piecewise_graph import PIECEWISE_MAX_TOKENS
 from swaserve.scheduler.scheduler import Scheduler
@@ -153,7 +154,7 @@ def build_runtime(
                          deterministic=runner_cfg.enable_deterministic_inference)
     # The tree checks SWA windows only where SWA K/V can be missing: in a hybrid SWA pool.
     prefix_cache = (None if cache.disable_prefix_cache
-                    else RadixCache(allocator, config.sliding_window if plan.hybrid else None))
+                    else RadixCache(allocator, config.sliding_window if plan.hybrid else None, check_tree))
     scheduler = Scheduler(sched, ctx, table, allocator, evictor, prefix_cache)
     rt = Runtime(plan, kv, table, allocator, evictor, runner, scheduler, sizing)
     if start:

@@ -1,4 +1,5 @@
-"""RadixCache.check_integrity: the prefix tree's invariants, checked by walking every node."""
+"""check_tree: the prefix tree's invariants, checked by walking every node; a `RadixCache` built with
+`check=check_tree` runs it from `check_integrity()`."""
 
 from __future__ import annotations
 

@@ -3,13 +3,12 @@ still live (a node without them is a tombstone). Matching, insertion, locks (int
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from swaserve.memory.allocator import TokenToKVPoolAllocator
 from swaserve.memory.swa import SWATokenToKVPoolAllocator
-from swaserve.prefix_cache.integrity import check_tree
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -56,8 +55,10 @@ class RadixCache:
     least one token is computed to give logits.
     """
 
-    def __init__(self, allocator: SWATokenToKVPoolAllocator | TokenToKVPoolAllocator, window: int | None):
+    def __init__(self, allocator: SWATokenToKVPoolAllocator | TokenToKVPoolAllocator, window: int | None,
+                 check: Callable[[RadixCache], None] | None = None):
         self.allocator = allocator
+        self.check = check  # integrity.check_tree: the check imports the tree, never the reverse
         self.hybrid = isinstance(allocator, SWATokenToKVPoolAllocator) and window is not None
         self.window = window if self.hybrid else None
         self.root = TreeNode([], _EMPTY, None, 0, True)
@@ -286,7 +287,8 @@ class RadixCache:
 
     def check_integrity(self) -> None:
         """Structure, liveness against the SWA mapping, no free tombstone leaf, counters, locks."""
-        check_tree(self)
+        assert self.check is not None, "built without check= (prefix_cache.integrity.check_tree)"
+        self.check(self)
 
 
 def _common(key: list[int], ids: Sequence[int], start: int, end: int) -> int:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from swaserve.memory import SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from swaserve.prefix_cache import RadixCache, evict, evict_all
+from swaserve.prefix_cache.integrity import check_tree
 
 FULL, SWA, W = 120, 60, 4
 
@@ -52,7 +53,7 @@ def seq(base: int, n: int) -> list[int]:
 @given(ops=ops, hybrid=st.booleans())
 def test_random_tree_operations(ops, hybrid):
     alloc = SWATokenToKVPoolAllocator(FULL, SWA) if hybrid else TokenToKVPoolAllocator(FULL)
-    cache = RadixCache(alloc, W if hybrid else None)
+    cache = RadixCache(alloc, W if hybrid else None, check_tree)
     locked = []  # (node, SWA-locked from this position, or None) held by fake requests
 
     def check():
@@ -120,7 +121,7 @@ def test_random_tree_operations(ops, hybrid):
 
 def test_tombstone_cuts_the_match_back_and_healing_restores_it():
     alloc = SWATokenToKVPoolAllocator(40, 40)
-    cache = RadixCache(alloc, W)
+    cache = RadixCache(alloc, W, check_tree)
     ids = list(range(1, 21))
     slots = alloc.alloc(20)
     alloc.free_swa(slots[:12])  # positions 0..11 were out of the request's window
@@ -144,7 +145,7 @@ def test_tombstone_cuts_the_match_back_and_healing_restores_it():
 
 def test_eviction_frees_swa_first_then_lru_leaves():
     alloc = SWATokenToKVPoolAllocator(60, 40)
-    cache = RadixCache(alloc, W)
+    cache = RadixCache(alloc, W, check_tree)
     for ids in ([1] * 10, [2] * 10):  # the oldest entries
         cache.insert(ids, alloc.alloc(10), cache.root, 0)
     inner, _ = cache.insert([3] * 10, alloc.alloc(10), cache.root, 0)
@@ -168,7 +169,7 @@ def test_eviction_frees_swa_first_then_lru_leaves():
 @pytest.mark.parametrize("swa", [False, True])
 def test_locked_paths_are_never_evicted(swa):
     alloc = SWATokenToKVPoolAllocator(30, 30)
-    cache = RadixCache(alloc, W)
+    cache = RadixCache(alloc, W, check_tree)
     node, _ = cache.insert(list(range(10)), alloc.alloc(10), cache.root, 0)
     cache.lock(node)
     if swa:
