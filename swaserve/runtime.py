@@ -24,6 +24,7 @@ from swaserve.prefix_cache import RadixCache
 from swaserve.prefix_cache.integrity import check_tree
 from swaserve.runner.memory_budget import device_memory_gib, kv_budget_bytes
 from swaserve.runner.piecewise_graph import PIECEWISE_MAX_TOKENS
+from swaserve.scheduler.integrity import check_scheduler
 from swaserve.scheduler.scheduler import Scheduler
 from swaserve.sizing import PLAN_REQUEST_TOKENS, Sizing, graph_max_bs, resolve_running, resolve_step_tokens
 
@@ -155,7 +156,7 @@ def build_runtime(
     # The tree checks SWA windows only where SWA K/V can be missing: in a hybrid SWA pool.
     prefix_cache = (None if cache.disable_prefix_cache
                     else RadixCache(allocator, config.sliding_window if plan.hybrid else None, check_tree))
-    scheduler = Scheduler(sched, ctx, table, allocator, evictor, prefix_cache)
+    scheduler = Scheduler(sched, ctx, table, allocator, evictor, prefix_cache, check_scheduler)
     rt = Runtime(plan, kv, table, allocator, evictor, runner, scheduler, sizing)
     if start:
         start_runner(rt, runner_cfg)

@@ -1,6 +1,7 @@
-"""The scheduler's invariants (`Scheduler.check_integrity`): the pools hold exactly the slots the live
-requests and the prefix cache own, table rows are neither leaked nor shared, at most one request is
-mid-prefill, and every key a request's next query reads is still in the SWA pool."""
+"""The scheduler's invariants (`check_scheduler`; a `Scheduler` built with `check=check_scheduler` runs it
+from `check_integrity()`): the pools hold exactly the slots the live requests and the prefix cache own,
+table rows are neither leaked nor shared, at most one request is mid-prefill, and every key a request's
+next query reads is still in the SWA pool."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def owned_slots(s: Scheduler) -> torch.Tensor:
 
 def check_scheduler(s: Scheduler) -> None:
     """Pools consistent with exactly the slots the live requests hold; queues consistent."""
-    s.allocator.check_integrity(s.owned_slots())
+    s.allocator.check_integrity(owned_slots(s))
     s.table.check_integrity()
     rows = [r.row for r in (*s.waiting, *s.running) if r.row is not None]
     assert sorted(rows) == s.table.live_rows(), "request table rows leaked or shared"

@@ -4,7 +4,8 @@ freeing every step, prefix-cache reuse, and retraction when memory runs out."""
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -14,13 +15,21 @@ from swaserve.memory.window import SWAEvictor
 from swaserve.prefix_cache import RadixCache
 from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
-from swaserve.scheduler.integrity import check_scheduler, owned_slots
 from swaserve.scheduler.prefix import PrefixSharing
 from swaserve.scheduler.req import Req, ReqStatus
 from swaserve.scheduler.slots import SlotAllocator, SlotBudget
 
-if TYPE_CHECKING:
-    from swaserve.scheduler.speculate import Speculation
+
+class Speculator(Protocol):
+    """What the scheduler calls on its speculation (`speculate.Speculation`, set by the engine)."""
+
+    drafted_total: int
+    accepted_total: int
+
+    def schedule(self, sched: Scheduler, reqs: list[Req]) -> ScheduleBatch | None: ...
+    def commit(self, sched: Scheduler, batch: ScheduleBatch, tokens: list[list[int]],
+               logprobs: list | None) -> list[Req]: ...
+    def release(self, req: Req) -> None: ...
 
 
 class Scheduler:
@@ -59,6 +68,7 @@ class Scheduler:
         allocator: SlotAllocator,
         evictor: SWAEvictor | None,
         prefix_cache: RadixCache | None = None,
+        check: Callable[[Scheduler], None] | None = None,  # integrity.check_scheduler, for check_integrity()
     ):
         self.config = config
         self.max_context = max_context
@@ -72,7 +82,8 @@ class Scheduler:
         self.prefix = (PrefixSharing(prefix_cache, req_to_token, evictor)
                        if prefix_cache is not None else None)
         self.slots = SlotBudget(allocator, evictor, self.prefix)
-        self.speculation: Speculation | None = None  # set by the engine (scheduler/speculate.py)
+        self.speculation: Speculator | None = None  # set by the engine (scheduler/speculate.py)
+        self.check = check
         self.generated_total = 0  # output tokens committed
 
     # -- admission ---------------------------------------------------------------------------
@@ -264,7 +275,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         if self.speculation is not None:
-            self.speculation.drafter.release(req)
+            self.speculation.release(req)
         if req.row is None:
             return
         if self.prefix is not None:
@@ -293,10 +304,8 @@ class Scheduler:
         head_busy = bool(self.waiting) and self.waiting[0].kv_len > 0 and self.waiting[0] is not req
         self.waiting.insert(1 if head_busy else 0, req)
 
-    def owned_slots(self) -> torch.Tensor:
-        """Every full slot held: requests' own positions and the prefix cache's nodes."""
-        return owned_slots(self)
-
     def check_integrity(self) -> None:
-        """Pools consistent with exactly the slots the live requests hold; queues consistent."""
-        check_scheduler(self)
+        """Pools consistent with exactly the slots the live requests hold; queues consistent (the
+        `check` given at construction: the check imports the scheduler, never the reverse)."""
+        assert self.check is not None, "built without check= (scheduler.integrity.check_scheduler)"
+        self.check(self)

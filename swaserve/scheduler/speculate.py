@@ -2,7 +2,8 @@
 verify step (each request's input token plus the tokens its drafter proposes, extend-shaped, windows
 respected); `commit` appends what the target accepted and gives back the K/V slots of the rejected
 drafts in both pools (the request table entries return to 0, `full_to_swa` entries are cleared by
-the allocator), so out-of-window SWA freeing only ever counts accepted tokens.
+the allocator), so out-of-window SWA freeing only ever counts accepted tokens. `speculates` says which
+requests get drafts.
 
 Runs without overlap scheduling: a verify step is scheduled after the previous step's tokens are in,
 so a decoding request has `kv_len == len(ids) - 1` (its last token is the next input)."""
@@ -15,11 +16,20 @@ import torch
 
 from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
-from swaserve.speculative.verify import speculates
 
 if TYPE_CHECKING:
+    from swaserve.request import SamplingParams
     from swaserve.scheduler.req import Req
     from swaserve.scheduler.scheduler import Scheduler
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Requests that get drafts: those whose next-token distribution `speculative.verify.accept`
+    reproduces: greedy, or temperature alone (no top-k/top-p/min-p, penalties or logprobs; those
+    decode one token a step)."""
+    if params.logprobs is not None or params.uses_penalties:
+        return False
+    return params.is_greedy or (params.top_p >= 1.0 and params.top_k < 1 and params.min_p <= 0.0)
 
 
 class Drafter(Protocol):
@@ -49,6 +59,9 @@ class Speculation:
         self.drafter, self.k, self.max_batch = drafter, k, max_batch
         self.drafted_total = 0
         self.accepted_total = 0
+
+    def release(self, req: Req) -> None:
+        self.drafter.release(req)
 
     def schedule(self, sched: Scheduler, reqs: list[Req]) -> ScheduleBatch | None:
         """A verify batch for `reqs` (the requests due a decode), or None: decode them plainly (batch

@@ -15,8 +15,8 @@ import torch
 
 from swaserve.h2d import to_device
 from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+from swaserve.scheduler.speculate import speculates
 from swaserve.speculative.draft_cache import DraftCache, DraftRow
-from swaserve.speculative.verify import speculates
 
 if TYPE_CHECKING:
     from swaserve.config import CacheConfig, ModelConfig, SchedulerConfig

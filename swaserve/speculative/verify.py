@@ -3,21 +3,14 @@ token from the target (the correction at the first disagreement, or a bonus toke
 draft). Greedy: the target's argmax, so the output equals plain decoding token for token. Sampling
 (temperature only): the speculative-sampling rule for a deterministic drafter, which draws from the
 target distribution exactly: accept draft d with probability p(d); on rejection draw from p with d
-removed; after the last accepted draft draw from the next p."""
+removed; after the last accepted draft draw from the next p. Which requests get drafts at all
+(`scheduler.speculate.speculates`) is the scheduler's rule, chosen to match this one."""
 
 from __future__ import annotations
 
 import torch
 
 from swaserve.request import SamplingParams
-
-
-def speculates(params: SamplingParams) -> bool:
-    """Requests whose next-token distribution `verify` reproduces: greedy, or temperature alone (no
-    top-k/top-p/min-p, penalties or logprobs; those decode one token a step)."""
-    if params.logprobs is not None or params.uses_penalties:
-        return False
-    return params.is_greedy or (params.top_p >= 1.0 and params.top_k < 1 and params.min_p <= 0.0)
 
 
 def _generator(seed: int | None, position: int) -> torch.Generator | None:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.h2d import to_device
-from swaserve.speculative.verify import accept, speculates
+from swaserve.scheduler.speculate import speculates
+from swaserve.speculative.verify import accept
 
 if TYPE_CHECKING:
     from swaserve.runner.launcher import StepLauncher
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 class VerifiedStep:
     """A finished verify step, shaped like `LaunchedStep`: `wait()` gives, per sampling row
     (`batch.sample_indices()` order), the tokens it appends, and logprobs where a row asked (rows
-    that ask decode one token: `verify.speculates`)."""
+    that ask decode one token: `scheduler.speculate.speculates`)."""
 
     batch: ScheduleBatch
     reqs: list[Req]

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from swaserve.scheduler.batch import ScheduleBatch
+from swaserve.scheduler.integrity import owned_slots
 from swaserve.scheduler.req import Req
 
 
@@ -51,7 +52,7 @@ def count_replays(rt: Any) -> list[tuple[int, int]]:
 def poison_free_slots(rt: Any) -> None:
     """NaN into every KV slot no request owns (slot 0 included) in both pools, so a live row that
     reads a freed, evicted or dummy slot produces NaN instead of a plausible value."""
-    owned = rt.scheduler.owned_slots()  # [n] int64, cpu: full-pool slots of every request
+    owned = owned_slots(rt.scheduler)  # [n] int64, cpu: full-pool slots of every request
     keep_full = torch.zeros(rt.kv.full.size + 1, dtype=torch.bool)
     keep_full[owned] = True
     pools = [(rt.kv.full, keep_full)]

@@ -15,7 +15,9 @@ from test_scheduler_properties import VOCAB, FakeDevice, check_outputs
 from swaserve.config import SCHEDULE_POLICIES, SchedulerConfig
 from swaserve.memory import ReqToTokenPool, SWAEvictor, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from swaserve.prefix_cache import RadixCache
+from swaserve.prefix_cache.integrity import check_tree
 from swaserve.scheduler.batch import ScheduleBatch
+from swaserve.scheduler.integrity import check_scheduler
 from swaserve.scheduler.req import Req
 from swaserve.scheduler.scheduler import Scheduler
 
@@ -38,7 +40,8 @@ def make(full: int, swa: int | None, chunk: int, max_running: int, policy: str =
         alloc = SWATokenToKVPoolAllocator(full, swa)
         ev = SWAEvictor(alloc, table, WINDOW, margin=1, chunk=2)
     cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=chunk, schedule_policy=policy)
-    return Scheduler(cfg, ctx, table, alloc, ev, RadixCache(alloc, WINDOW if swa is not None else None))
+    cache = RadixCache(alloc, WINDOW if swa is not None else None, check_tree)
+    return Scheduler(cfg, ctx, table, alloc, ev, cache, check_scheduler)
 
 
 class KVDevice(FakeDevice):

@@ -13,6 +13,7 @@ from swaserve.config import SCHEDULE_POLICIES, SchedulerConfig
 from swaserve.memory import ReqToTokenPool, SWAEvictor, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
+from swaserve.scheduler.integrity import check_scheduler
 from swaserve.scheduler.req import Req
 from swaserve.scheduler.scheduler import Scheduler
 
@@ -41,7 +42,7 @@ def make_scheduler(full: int, swa: int | None, window: int, chunk: int, max_runn
         ev = SWAEvictor(alloc, table, window, margin=1, chunk=2)
     cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=chunk, schedule_policy=policy,
                           max_mixed_prefill_tokens=mixed_cap)
-    return Scheduler(cfg, ctx, table, alloc, ev)
+    return Scheduler(cfg, ctx, table, alloc, ev, check=check_scheduler)
 
 
 class FakeDevice:

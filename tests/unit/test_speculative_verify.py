@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from swaserve.request import SamplingParams
+from swaserve.scheduler.speculate import speculates
 from swaserve.speculative.ngram import NgramDrafter
-from swaserve.speculative.verify import accept, speculates
+from swaserve.speculative.verify import accept
 
 
 def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
