@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -78,13 +79,12 @@ def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device) 
 
 
 class RankProcesses:
-    """The other ranks this process started. A rank that exits while the engine runs is fatal: the
-    error is logged and, unless the engine is closing by then, this process exits (code 1) after
-    `DEATH_GRACE_S` (a NCCL collective waiting on a dead peer never returns)."""
+    """The other ranks this process started, each running `run_rank(spec)` (`worker.run_rank`, passed in:
+    the worker imports this module, not the other way round). A rank that exits while the engine runs is
+    fatal: the error is logged and, unless the engine is closing by then, this process exits (code 1)
+    after `DEATH_GRACE_S` (a NCCL collective waiting on a dead peer never returns)."""
 
-    def __init__(self, specs: list[RankSpec]):
-        from swaserve.distributed.worker import run_rank
-
+    def __init__(self, specs: list[RankSpec], run_rank: Callable[[RankSpec], None]):
         ctx = mp.get_context("spawn")
         self.procs = {s.rank: ctx.Process(target=run_rank, args=(s,), name=f"swaserve-tp{s.rank}", daemon=True)
                       for s in specs}
@@ -128,7 +128,8 @@ class RankProcesses:
 
 
 def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dtype: Any,
-                engine_options: dict[str, Any]) -> tuple[TPGroup, RankProcesses]:
+                engine_options: dict[str, Any], run_rank: Callable[[RankSpec], None],
+                ) -> tuple[TPGroup, RankProcesses]:
     """Spawn this node's other ranks, then join the group as rank `node_rank * ranks_per_node`
     (rank 0 on node 0). Returns the group and the spawned processes."""
     check_devices(device, par)
@@ -137,6 +138,6 @@ def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dt
     first = par.node_rank * per_node
     specs = [RankSpec(r, par.tensor_parallel_size, addr, str(rank_device(device, r, par)), model, dtype,
                       engine_options, os.getpid()) for r in range(first + 1, first + per_node)]
-    procs = RankProcesses(specs)
+    procs = RankProcesses(specs, run_rank)
     group = init_rank(first, par.tensor_parallel_size, addr, rank_device(device, first, par))
     return group, procs

@@ -13,6 +13,7 @@ from swaserve.config import ParallelConfig, split_engine_options
 from swaserve.distributed.channel import StepChannel, StepMessage
 from swaserve.distributed.launch import RankProcesses, rank_device, start_ranks
 from swaserve.distributed.state import TPGroup, broadcast_from_first, gather_digests, set_tp_group, tp_group
+from swaserve.distributed.worker import run_rank
 from swaserve.memory.table_ops import table_digest
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class TensorParallel:
             raise ValueError("enable_cpu_graph does not support tensor parallelism yet (the decode graph "
                              "would have to trace the collectives); run the CPU ranks eagerly")
         check_model_splits(model, par.tensor_parallel_size)
-        group, procs = start_ranks(par, model, device, dtype, engine_options)
+        group, procs = start_ranks(par, model, device, dtype, engine_options, run_rank)
         return cls(group, procs, rank_device(device, 0, par))
 
     def lead(self, rt: Runtime) -> StepLead:

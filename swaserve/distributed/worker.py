@@ -99,6 +99,6 @@ def serve_node(par: ParallelConfig, model: str | None, device: torch.device, dty
     first = par.node_rank * per_node
     specs = [RankSpec(r, par.tensor_parallel_size, par.dist_init_addr or "", str(rank_device(device, r, par)), model,
                       dtype, engine_options, os.getpid()) for r in range(first, first + per_node)]
-    procs = RankProcesses(specs)
+    procs = RankProcesses(specs, run_rank)
     procs.wait()
     return max((p.exitcode or 0) for p in procs.procs.values())
