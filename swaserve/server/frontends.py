@@ -50,7 +50,7 @@ def run_frontends(core: CoreSpec, tokenizer: Any, cfg: ServerConfig) -> int:
     """Serve with `cfg.api_server_count` frontends until SIGINT/SIGTERM or a fault; the exit code (0, or
     1 when a core or a frontend died). ValueError: bad input (the engine refused it, too many replicas)."""
     from swaserve.server.core_pool import replica_specs
-    from swaserve.server.launch import bind_socket
+    from swaserve.server.http_server import bind_socket
 
     specs = replica_specs(core, cfg.data_parallel_size)
     sock = bind_socket(cfg.host, cfg.port)
@@ -204,7 +204,7 @@ def _frontend_main(index: int, core: CoreSpec, tokenizer: Any, cfg: ServerConfig
                    sock: socket.socket, events: Any, supervisor: int) -> None:
     """One frontend process: attach to the cores, report ready, serve on the shared socket."""
     from swaserve.core.engine_core import freeze_startup_objects
-    from swaserve.server.launch import make_server
+    from swaserve.server.http_server import make_server
 
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor alone, which stops the frontends in order
     threading.Thread(target=_exit_with_parent, args=(supervisor,), daemon=True).start()
