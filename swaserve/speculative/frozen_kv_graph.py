@@ -14,7 +14,7 @@ padded row cannot corrupt a pool, and it reads no live row's state or keys. Ever
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,11 +23,21 @@ from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 from swaserve.runner.graph_buffers import SEQ_LEN_FILL, capture_batch_sizes, padded_batch_size
 
 if TYPE_CHECKING:
-    from swaserve.speculative.frozen_kv import FrozenKVDrafter
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
 PAD = (0, SEQ_LEN_FILL, 0)  # (table row, kv_len, token) of a padded row
+
+
+class ChainParts(Protocol):
+    """What the graph runner reads of the drafter that builds it (`frozen_kv.FrozenKVDrafter`, attached)."""
+
+    model: nn.Module  # the assistant: (token embedding and state concatenated, batch) -> (state, token)
+    embed: Any  # the target's (scaled) token embedding
+    states: torch.Tensor | None  # [max_reqs+1, D] model dtype, device: per table row, the state to draft from
+    backend: Any  # the drafter's own attention backend (triton)
+    device: torch.device
 
 
 class FrozenKVGraphRunner:
@@ -36,7 +46,7 @@ class FrozenKVGraphRunner:
     replaying a CUDA graph (the CPU tests of the padding rules, with the Triton kernels interpreted).
     Needs the drafter's backend to build decode metadata from device tensors (triton, not deterministic)."""
 
-    def __init__(self, drafter: FrozenKVDrafter, max_bs: int, steps: int, capture: bool = True):
+    def __init__(self, drafter: ChainParts, max_bs: int, steps: int, capture: bool = True):
         backend = drafter.backend
         if not hasattr(backend, "init_forward_metadata_graph") or getattr(backend, "deterministic", False):
             raise ValueError(f"{type(backend).__name__} cannot run the drafter's graphs; use triton")
