@@ -12,9 +12,9 @@ import torch
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.engine_setup import default_overlap, load_engine_model, resolve_device_dtype
+from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
-from swaserve.runner.launcher import LaunchedStep, StepLauncher
 from swaserve.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -126,8 +126,10 @@ class Engine:
         self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
         if drafter is not None:
             from swaserve.scheduler.speculate import Speculation
+            from swaserve.speculative.verify_step import launch_verify
 
             self.overlap = False
+            self.launcher.verify = launch_verify
             if hasattr(drafter, "attach"):
                 drafter.attach(rt)
             if hasattr(drafter, "observe"):

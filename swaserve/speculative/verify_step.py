@@ -1,7 +1,8 @@
 """launch_verify: one speculative verify step on the device: the target's forward over every request's
 input and drafted tokens, the logits of all of them, acceptance per request (`verify.accept`), and the
 last token each request appended stored where its next decode step reads its input. Synchronous (the
-acceptance needs the logits on the host); speculation runs without overlap scheduling."""
+acceptance needs the logits on the host); speculation runs without overlap scheduling. The engine plugs
+it into the launcher (`StepLauncher.verify`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from swaserve.scheduler.speculate import speculates
 from swaserve.speculative.verify import accept
 
 if TYPE_CHECKING:
-    from swaserve.runner.launcher import StepLauncher
+    from swaserve.launcher import StepLauncher
     from swaserve.scheduler.batch import ScheduleBatch
     from swaserve.scheduler.req import Req
 

@@ -19,9 +19,9 @@ from families import hf_greedy, make_hf_model
 from test_decode_graph_padding import assert_same_live_kv, poison_pools
 
 from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
+from swaserve.launcher import StepLauncher
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.request import SamplingParams
-from swaserve.runner.launcher import StepLauncher
 from swaserve.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
 from swaserve.runtime import build_runtime
 from swaserve.scheduler.req import Req

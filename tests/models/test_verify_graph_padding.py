@@ -18,13 +18,14 @@ pytest.importorskip("triton")
 from test_decode_graph_padding import assert_same_live_kv, poison_pools  # noqa: E402
 
 from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig  # noqa: E402
+from swaserve.launcher import StepLauncher  # noqa: E402
 from swaserve.loader.hf_dir import load_model_from_dir  # noqa: E402
 from swaserve.request import SamplingParams  # noqa: E402
-from swaserve.runner.launcher import StepLauncher  # noqa: E402
 from swaserve.runner.verify_graph import VerifyGraphRunner  # noqa: E402
 from swaserve.runtime import build_runtime  # noqa: E402
 from swaserve.scheduler.req import Req  # noqa: E402
 from swaserve.scheduler.speculate import Speculation  # noqa: E402
+from swaserve.speculative.verify_step import launch_verify  # noqa: E402
 
 K = 3
 
@@ -87,7 +88,7 @@ def run_lockstep(family: str, path, device: str = "cpu", dtype: torch.dtype = to
             oracle[rid] = ids + hf_greedy(hf, ids, max_tokens)[1]
             reqs.append((step, rid, ids, max_tokens))
     eager, padded = (make_runtime(path, device, dtype, p, oracle) for p in (False, True))
-    launchers = {id(rt): StepLauncher(rt.runner) for rt in (eager, padded)}
+    launchers = {id(rt): StepLauncher(rt.runner, verify=launch_verify) for rt in (eager, padded)}
     replays = []
     replay = padded.runner.verify_graphs.replay
     padded.runner.verify_graphs.replay = lambda batch: replays.append(batch.batch_size) or replay(batch)

@@ -1,10 +1,12 @@
 """StepLauncher: puts one scheduled step on the device without waiting for it (model, sampling, the
 last-token table, an asynchronous copy of the sampled tokens to the host); `LaunchedStep.wait()`
-collects the result. With one step in flight the host schedules the next while the device works."""
+collects the result. With one step in flight the host schedules the next while the device works.
+Above both the scheduler (whose batches it launches) and the runner (which it drives)."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +51,8 @@ class StepLauncher:
     between the device and the host. Nothing here waits on the device. Under tensor parallelism
     (`lead`, rank 0) each step's inputs go to the other ranks first and its tokens after sampling."""
 
-    def __init__(self, runner: ModelRunner, lead: StepLead | None = None, sampler: Sampler | None = None):
+    def __init__(self, runner: ModelRunner, lead: StepLead | None = None, sampler: Sampler | None = None,
+                 verify: Callable[[StepLauncher, ScheduleBatch], Any] | None = None):
         self.runner = runner
         self.lead = lead
         self.sampler = sampler or Sampler(batch_invariant=runner.deterministic)
@@ -59,6 +62,9 @@ class StepLauncher:
         # given every step's states of the tokens each request confirmed. Setting it turns on
         # `runner.keep_states`.
         self.observer: Any = None
+        # Launches the batches that carry drafts (speculative verify steps; `speculative/verify_step.py`),
+        # plugged in by whoever turns speculation on: the launcher imports no speculative code.
+        self.verify = verify
 
     def set_observer(self, observer: Any) -> None:
         self.observer = observer
@@ -66,9 +72,8 @@ class StepLauncher:
 
     def launch(self, batch: ScheduleBatch) -> LaunchedStep:
         if batch.drafts is not None:  # a speculative verify step
-            from swaserve.speculative.verify_step import launch_verify
-
-            return launch_verify(self, batch)  # type: ignore[return-value]
+            assert self.verify is not None, "a batch with drafts needs StepLauncher(verify=launch_verify)"
+            return self.verify(self, batch)
         inputs = batch.forward_inputs()
         idx = batch.sample_indices()
         if self.lead is not None:
