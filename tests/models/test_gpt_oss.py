@@ -25,7 +25,7 @@ from swaserve.loader import load_model
 from swaserve.loader.hf_dir import load_hf_config, load_model_from_dir
 from swaserve.loader.safetensors import iter_safetensors
 from swaserve.models.gpt_oss import swiglu_params
-from swaserve.runner.model_runner import build_model
+from swaserve.models.registry import build_model
 
 GIB = 1 << 30
 

@@ -29,14 +29,14 @@ PLANES: list[tuple[str, tuple[str, ...]]] = [
     ("attention", ("attention/",)),
     ("layers", ("layers/",)),
     ("models", ("models/",)),
-    # checkpoints to config, weights and tokenizer
-    ("loader", ("loader/", "tokenizer.py")),
+    # checkpoints to config, weights and tokenizer; chat formats (prompt rendering, reply parsing)
+    ("loader", ("loader/", "tokenizer.py", "chat/")),
     # ModelRunner, graph runners, Sampler
     ("runner", ("runner/",)),
     ("prefix_cache", ("prefix_cache/",)),
     ("scheduler", ("scheduler/",)),
-    # one step on every rank: assembling a runtime, launching a scheduled step, the other TP ranks
-    ("step", ("runtime.py", "engine_setup.py", "launcher.py", "distributed/")),
+    # one step on every rank: assembling (and sizing) a runtime, launching a scheduled step, other TP ranks
+    ("step", ("runtime.py", "sizing.py", "engine_setup.py", "launcher.py", "distributed/")),
     # drafters and the verify step: they plug into the scheduler and the launcher
     ("speculative", ("speculative/",)),
     ("engine", ("engine.py",)),
@@ -99,7 +99,7 @@ def edges() -> dict[str, list[tuple[str, int]]]:
 
 
 def rel(mod: str) -> str:
-    """`swaserve.runner.launcher` -> `launcher.py` style path under swaserve/, as PLANES spells it."""
+    """`swaserve.runner.sampler` -> `runner/sampler.py`: the path under swaserve/, as PLANES spells it."""
     return str(modules()[mod].relative_to(ROOT))
 
 
