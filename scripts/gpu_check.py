@@ -37,6 +37,7 @@ BENCHMARKS = [("e_decode_bench", ["benchmarks/decode.py", "--quick"]),
               ("g_moe_bench", ["benchmarks/moe_kernel.py", "--model", "gpt-oss-20b"])]
 BENCH_RESERVE_S = 150.0
 # Files whose tests hold a large model (fp32 real-shape cuts next to HF's copy): one at a time per GPU.
+HEAVY_ESTIMATE_S = 120.0
 HEAVY = ("test_gemma4_vs_hf.py", "test_mimo_v2_flash_vs_hf.py", "test_gpt_oss_vs_hf.py", "test_gemma3_1b_vs_hf.py")
 
 
@@ -112,7 +113,10 @@ def make_jobs(step: Step, ids: list[str], known: dict[str, float]) -> list[Job]:
             sums[-1] += est
         for n, (part, est) in enumerate(zip(parts, sums)):
             key = f"{step.name}:{path}" + (f"#{n}" if len(parts) > 1 else "")
-            jobs.append(Job(step, part, key, est, Path(path).name in HEAVY))
+            heavy = Path(path).name in HEAVY
+            if heavy and not any(f"{step.name}:{t}" in known for t in part):
+                est = max(est, HEAVY_ESTIMATE_S * len(part))  # a new heavy file: start it early
+            jobs.append(Job(step, part, key, est, heavy))
     return jobs
 
 
@@ -218,14 +222,18 @@ def run_pool(jobs: list[Job], gpus: list[str], slots: int, out: Path, deadline: 
 def run_bench(name: str, cmd: list[str], out: Path, limit: float, gpus: list[str]) -> dict:
     start = time.time()
     env = {**os.environ, "PYTHONPATH": pythonpath(), "CUDA_VISIBLE_DEVICES": gpus[0] if gpus else ""}
-    with open(out / f"{name}.log", "w") as f:
+    log = out / f"{name}.log"
+    with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 timeout=max(1.0, limit)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    tail = (out / f"{name}.log").read_text(errors="replace").strip().splitlines()[-20:]
-    return {"rc": rc, "seconds": round(time.time() - start, 1), "tail": tail}
+    text = log.read_text(errors="replace")
+    log.unlink()  # one benchmarks.log for all (the device machine returns at most 8 files)
+    with open(out / "benchmarks.log", "a") as f:
+        f.write(f"===== {name}: {' '.join(cmd[1:])}\n{text}\n")
+    return {"rc": rc, "seconds": round(time.time() - start, 1), "tail": text.strip().splitlines()[-20:]}
 
 
 def merge_logs(out: Path, steps: list[str]) -> None:
@@ -250,6 +258,7 @@ def main() -> int:
     out = Path(os.environ.get("OUT", "/tmp/out"))
     for d in (out, out / "junit", out / "jobs"):
         d.mkdir(parents=True, exist_ok=True)
+    (out / "benchmarks.log").unlink(missing_ok=True)
     gpus = visible_gpus()
     print(f"== {len(gpus)} GPU(s) visible: {','.join(gpus) or '-'}; {os.cpu_count()} CPUs; "
           f"{a.slots_per_gpu} test processes per GPU; budget {a.budget:.0f}s", flush=True)
@@ -278,13 +287,14 @@ def main() -> int:
     print(f"== {len(jobs)} single-GPU jobs, {len(multi)} multi-GPU jobs", flush=True)
     # The benchmarks run last and alone: the tests leave them BENCH_RESERVE_S of the budget.
     tests_deadline = deadline - (BENCH_RESERVE_S if "e" in a.steps.split(",") else 0)
-    run_pool(jobs, gpus, a.slots_per_gpu, out, tests_deadline)
-    for job in multi:  # they see every GPU: after the pool, one at a time
+    for job in multi:  # they see every GPU: first, one at a time, so the pool cannot leave them no time
         run_job(job, gpus, out, tests_deadline)
+    run_pool(jobs, gpus, a.slots_per_gpu, out, tests_deadline)
     every = jobs + multi
     times = {k: v for j in every for k, v in j.result.get("times", {}).items()}
     (out / "test_times.json").write_text(json.dumps(times, indent=0, sort_keys=True))
-    (out / "job_times.json").write_text(json.dumps({j.key: j.result.get("seconds", 0) for j in every}, indent=0))
+    for j in sorted(every, key=lambda j: -j.result.get("seconds", 0))[:12]:
+        print(f"   {j.result.get('seconds', 0):6.1f}s  {j.key}")
     merge_logs(out, [s.name for s in steps])
     for s in steps:
         mine = [j for j in every if j.step is s]

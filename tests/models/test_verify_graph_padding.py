@@ -138,8 +138,11 @@ def run_lockstep(family: str, path, device: str = "cpu", dtype: torch.dtype = to
         return stats
     assert not eager.scheduler.has_unfinished()
     order = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
-    assert max(order) >= 5 and any(b > a for a, b in zip(order, order[1:])), f"verify batch sizes {order}"
-    assert any(b < a for a, b in zip(order, order[1:])), f"verify batch sizes {order}"
+    assert max(order) >= 5 and any(b < a for a, b in zip(order, order[1:])), f"verify batch sizes {order}"
+    # The waves are timed for drafts the target accepts (fp32: the oracle's tokens are the target's), so
+    # the batch grows again after it shrank. In bf16 most fp32-oracle drafts are rejected and the timing
+    # shifts: a 2x H200 run of GPT-OSS (MXFP4) saw only 7 -> 6 -> 5 -> 4, every step matching eager.
+    assert not same_tokens or any(b > a for a, b in zip(order, order[1:])), f"verify batch sizes {order}"
     assert padded_slots > 0, "some live rows carried fewer than K drafts"
     assert len(replays) >= fitting > 0, "every verify step that fits ran the padded program"
     for rt in (eager, padded):
