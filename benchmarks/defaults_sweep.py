@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hardware, hf_config  # noqa: E402
+from common import hardware, hf_config
 
 # The released models' context lengths: what an out-of-the-box engine plans for.
 MAX_POSITIONS = {"270m": 32768, "1b": 32768, "4b": 131072, "12b": 131072, "27b": 131072, "gemma4-26b-a4b": 262144}

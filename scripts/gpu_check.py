@@ -78,7 +78,7 @@ def visible_gpus() -> list[str]:
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
         return [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
@@ -87,7 +87,7 @@ def visible_gpus() -> list[str]:
 def collect(step: Step) -> list[str]:
     cmd = [*PYTEST, "--collect-only", *(["-m", step.marker] if step.marker else []), *step.paths]
     env = {**os.environ, **step.env}
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False)
     ids = [line.strip() for line in out.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if out.returncode not in (0, 5):
         print(f"   collection of {step.name} failed (rc={out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
@@ -226,7 +226,7 @@ def run_bench(name: str, cmd: list[str], out: Path, limit: float, gpus: list[str
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=max(1.0, limit)).returncode
+                                timeout=max(1.0, limit), check=False).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     text = log.read_text(errors="replace")
@@ -241,15 +241,14 @@ def merge_logs(out: Path, steps: list[str]) -> None:
     for name in steps:
         parts = sorted((out / "jobs").glob(f"{name}_*.log"))
         with open(out / f"{name}.log", "w") as f:
-            for p in parts:
-                f.write(f"===== {p.stem}\n{p.read_text(errors='replace')}\n")
+            f.writelines(f"===== {p.stem}\n{p.read_text(errors='replace')}\n" for p in parts)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 560)),
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", "560")),
                     help="seconds for the whole run (default 560: one 10-minute device call with room to spare)")
-    ap.add_argument("--slots-per-gpu", type=int, default=int(os.environ.get("GPU_CHECK_SLOTS", 8)),
+    ap.add_argument("--slots-per-gpu", type=int, default=int(os.environ.get("GPU_CHECK_SLOTS", "8")),
                     help="test processes at once per GPU (kernel tests are compile-bound: CPU work)")
     ap.add_argument("--steps", default="a,b,c,d,e", help="which steps (letters), default all")
     a = ap.parse_args()

@@ -17,17 +17,7 @@ export SWASERVE_GPU_REPORT="$OUT/gpu_report.jsonl"
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi unavailable"
-# Carried wheels (.whl/, gitignored: the device machine has no network), each installed into /tmp/site
-# only where its module is missing, so the machine's own packages keep priority.
-if compgen -G ".whl/*.whl" > /dev/null; then
-    mkdir -p /tmp/site
-    for w in .whl/*.whl; do
-        mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
-        [ "$mod" = pyzmq ] && mod=zmq
-        python3 -c "import $mod" 2> /dev/null || pip install -q --no-index --no-deps --target /tmp/site "$w" > /dev/null 2>&1
-    done
-    export PYTHONPATH=.:/tmp/site
-fi
+source scripts/carried_wheels.sh  # the packages the GPU machine lacks
 python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "| devices:",

@@ -26,18 +26,7 @@ cd "$(dirname "$0")/.." || exit 2
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-# Serving needs packages the GPU machine lacks (it has no network): wheels carried in .whl/ (gitignored,
-# `pip download --no-deps --python-version 3.12 --only-binary=:all: -c constraints.txt ...`), each
-# installed into /tmp/site only if its module is missing, so the machine's own packages keep priority.
-if compgen -G ".whl/*.whl" > /dev/null; then
-    mkdir -p /tmp/site
-    for w in .whl/*.whl; do
-        mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
-        [ "$mod" = pyzmq ] && mod=zmq
-        python3 -c "import $mod" 2> /dev/null || pip install -q --no-index --no-deps --target /tmp/site "$w" > /dev/null 2>&1
-    done
-    export PYTHONPATH=.:/tmp/site
-fi
+source scripts/carried_wheels.sh  # the packages the GPU machine lacks
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(kernels parity decode)
 NAMES=() RESULTS=()

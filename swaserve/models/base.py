@@ -65,6 +65,19 @@ class DecoderLayer(nn.Module):
         return add_norm(self.mlp(x, partial_sums=True), h, None, next_norm)
 
 
+class RoutedDecoderLayer(DecoderLayer):
+    """The pre-norm block whose MLP is routed experts that also get the batch, so the padded rows of a
+    replayed decode graph route nothing (GPT-OSS, MiMo-V2's MoE layers)."""
+
+    def forward(
+        self, h: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DecoderLayer.forward`'s contract."""
+        attn = self.self_attn(x, batch, partial_sums=True)
+        h, x = add_norm(attn, h, None, self.post_attention_layernorm)
+        return add_norm(self.mlp(x, batch), h, None, next_norm)
+
+
 def keep_aux_hidden(batch: ForwardBatch, layers: tuple[int, ...], seen: dict[int, torch.Tensor]) -> None:
     """`batch.scratch["aux_hidden"]` `[num_tokens, len(layers) * hidden]`: the residual streams `seen`
     entering `layers` (id = the layer count: the last layer's output, before the final norm), in order."""

@@ -13,8 +13,7 @@ from torch import nn
 from swaserve.layers import mxfp4
 from swaserve.layers.gpt_oss_experts import GptOssExperts
 from swaserve.layers.moe import TopKRouter, routed_rows
-from swaserve.layers.norm import RMSNorm, add_norm
-from swaserve.models.base import CausalLM, DecoderLayer
+from swaserve.models.base import CausalLM, RoutedDecoderLayer
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
@@ -53,18 +52,6 @@ class GptOssMoE(nn.Module):
         return self.experts(x, weights, ids, routed_rows(batch, x))
 
 
-class GptOssDecoderLayer(DecoderLayer):
-    """The pre-norm block whose MoE also gets the batch (padded graph rows route nothing)."""
-
-    def forward(
-        self, h: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, next_norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`DecoderLayer.forward`'s contract."""
-        attn = self.self_attn(x, batch, partial_sums=True)
-        h, x = add_norm(attn, h, None, self.post_attention_layernorm)
-        return add_norm(self.mlp(x, batch), h, None, next_norm)
-
-
 class GptOssForCausalLM(CausalLM):
     """Norms keep their weight in float32 (HF keeps them fp32). A `quantization_config` of `mxfp4` makes
     every layer's experts MXFP4 unless `modules_to_not_convert` names them; any other method is refused."""
@@ -85,7 +72,7 @@ class GptOssForCausalLM(CausalLM):
         hf = self.hf_config
         moe = GptOssMoE(hf, self.experts_quantized(layer_id))
         attn = self.build_attention(layer_id)
-        return GptOssDecoderLayer(attn, moe, hf.hidden_size, self.norm_kw, sandwich=False)
+        return RoutedDecoderLayer(attn, moe, hf.hidden_size, self.norm_kw, sandwich=False)
 
     def map_weight_name(self, name: str) -> str | None:
         if name.startswith("model.layers.") and name.endswith(_EXPERT_WEIGHTS):

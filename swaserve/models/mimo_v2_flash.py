@@ -18,9 +18,8 @@ from torch import nn
 from swaserve.config import SLIDING
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.moe import GroupedTopKRouter, StackedExperts, routed_rows
-from swaserve.layers.norm import RMSNorm, add_norm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
-from swaserve.models.base import CausalLM, DecoderLayer, NamedWeights
+from swaserve.models.base import CausalLM, DecoderLayer, NamedWeights, RoutedDecoderLayer
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
@@ -46,19 +45,6 @@ class MiMoMoE(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids, routed_rows(batch, x))
-
-
-class MiMoMoELayer(DecoderLayer):
-    """The pre-norm block with routed experts for its MLP, which also get the batch (so padded rows
-    of a replayed decode graph route nothing)."""
-
-    def forward(
-        self, h: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, next_norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`DecoderLayer.forward`'s contract."""
-        attn = self.self_attn(x, batch, partial_sums=True)
-        h, x = add_norm(attn, h, None, self.post_attention_layernorm)
-        return add_norm(self.mlp(x, batch), h, None, next_norm)
 
 
 class MiMoV2FlashForCausalLM(CausalLM):
@@ -107,7 +93,7 @@ class MiMoV2FlashForCausalLM(CausalLM):
         hf = self.hf_config
         attn = self.build_attention(layer_id)
         if self.is_moe(layer_id):
-            return MiMoMoELayer(attn, MiMoMoE(hf), hf.hidden_size, self.norm_kw, sandwich=False)
+            return RoutedDecoderLayer(attn, MiMoMoE(hf), hf.hidden_size, self.norm_kw, sandwich=False)
         return DecoderLayer(attn, GatedMLP(hf.hidden_size, hf.intermediate_size, hf.hidden_act), hf.hidden_size,
                             self.norm_kw, sandwich=False)
 
