@@ -9,6 +9,8 @@ plus x and the output) and the fraction of the measured copy bandwidth; for Gemm
 the combine alone, so the two GEMMs' share is the rest. JSON lines, then a table.
 
     python benchmarks/moe_kernel.py [--model gpt-oss-20b] [--tokens 1,16,64,256] [--calls 10] [--block-k 128]
+    python benchmarks/moe_kernel.py --model gpt-oss-20b --variants bits:64:4:3,float:64:4:3,group:64:8:3
+        # MXFP4 dequantisation modes x tiles (mode:block_n:warps:stages), one row each, to pick the default
     python benchmarks/moe_kernel.py --smoke     # a tiny expert shape, Triton's interpreter on the CPU (CI)
 """
 
@@ -52,6 +54,23 @@ def experts(model: str, H: int, E: int, I: int, dev: torch.device, g: torch.Gene
             "bf16": {"w_gate_up": w1, "w_down": w2, **bias, **act}}
 
 
+def with_variants(formats: dict, variants: str | None) -> list[tuple[str, dict]]:
+    """The formats to time: each as built, then the MXFP4 one again per `--variants` entry (its tuning)."""
+    from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP
+
+    out = list(formats.items())
+    modes = {"bits": MX_BITS, "float": MX_FLOAT, "group": MX_GROUP}
+    for v in (variants.split(",") if variants and "mxfp4" in formats else []):
+        mode, bn, warps, stages = v.split(":")
+        tuning = {"mx_mode": modes[mode], "num_warps": int(warps)}
+        if int(bn):
+            tuning["block_n"] = int(bn)
+        if int(stages):
+            tuning["num_stages"] = int(stages)
+        out.append((f"mxfp4[{v}]", {**formats["mxfp4"], "tuning": tuning}))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma4-26b-a4b", choices=sorted(SHAPES), help="expert form and shape")
@@ -59,7 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=10, help="calls captured in one graph (distinct routings)")
     ap.add_argument("--shape", default=None, help="HIDDEN,EXPERTS,TOP_K,INTERMEDIATE (default: the model's)")
     ap.add_argument("--block-k", type=int, default=None, help="MXFP4: inputs per GEMM step (default 128)")
-    a = parse_args(ap, argv, smoke=dict(tokens="1,5", calls=1, shape="64,8,2,32"))
+    ap.add_argument("--variants", default=None,
+                    help="MXFP4: comma-separated MODE:BLOCK_N:WARPS:STAGES (MODE bits, float or group; 0 keeps "
+                         "the default), each timed as its own row")
+    a = parse_args(ap, argv, smoke=dict(tokens="1,5", calls=1, shape="64,8,2,32", variants="group:16:4:2"))
     H, E, K, I = (int(x) for x in (a.shape or SHAPES[a.model]).split(","))
     from swaserve.kernels.fused_moe import _block_m, align_pairs, combine, fused_moe
     from swaserve.kernels.pdl import pdl_supported
@@ -80,10 +102,10 @@ def main(argv: list[str] | None = None) -> None:
         ids = [i for _, i in routes]
         hit = sum(int(torch.unique(i).numel()) for i in ids) / a.calls
         bm = _block_m(n * K, E)
-        for fmt, kw in formats.items():
+        for fmt, kw in with_variants(formats, a.variants):
             kw = dict(kw)
             w1, w2, act = kw.pop("w_gate_up"), kw.pop("w_down"), kw.pop("activation")
-            if fmt == "mxfp4" and a.block_k:
+            if fmt.startswith("mxfp4") and a.block_k:
                 kw["block_k"] = a.block_k
             stored = [w1, w2, *(v for v in kw.values() if isinstance(v, torch.Tensor))]  # + scales, biases
             per_expert = sum(t[0].numel() * t.element_size() for t in stored)

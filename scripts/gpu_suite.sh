@@ -181,6 +181,10 @@ for _ in range(900):
         gptoss_moe)  # issue 35: the MXFP4 MoE kernel against the bf16 fused MoE, 20b and 120b expert shapes
             run gptoss_moe 200 python3 benchmarks/moe_kernel.py --model gpt-oss-20b --tokens 1,16,64,256
             run gptoss_moe_120b 200 python3 benchmarks/moe_kernel.py --model gpt-oss-120b --tokens 1,16,64,256 ;;
+        gptoss_moe_sweep)  # issue 35: the MXFP4 GEMM's dequantisation modes x tiles (pick the default from it)
+            v=${MOE_VARIANTS:-bits:0:4:0,float:0:4:0,group:0:4:0,bits:32:4:3,group:32:8:3,group:64:8:4,float:32:8:3}
+            run gptoss_moe_sweep 300 python3 benchmarks/moe_kernel.py --model gpt-oss-20b --variants "$v"
+            run gptoss_moe_sweep_120b 300 python3 benchmarks/moe_kernel.py --model gpt-oss-120b --variants "$v" ;;
         gptoss_decode_20b|gptoss_decode_20b_bf16|gptoss_decode_120b)  # issue 35: decode vs the roofline (bytes as stored)
             shape=gpt-oss-${step#gptoss_decode_}
             [ "$shape" = gpt-oss-20b_bf16 ] && shape=gpt-oss-20b-bf16

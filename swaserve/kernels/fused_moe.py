@@ -175,6 +175,7 @@ def fused_moe(
     alpha: float | None = None,  # swiglu_oai's sigmoid gain
     limit: float | None = None,  # swiglu_oai's clamp
     block_k: int | None = None,  # inputs per GEMM step (default: kernels.moe_gemm's per format)
+    tuning: dict | None = None,  # benchmarks: moe_gemm's num_warps / num_stages / mx_mode / block_n for both GEMMs
 ) -> torch.Tensor:  # [n, H], x's dtype
     """sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], summed over j in order
     in float32; rows with `row_valid` False are 0. Four launches, none of them waiting on the host.
@@ -204,11 +205,14 @@ def fused_moe(
     while not batch_invariant and bn1 > 16 and active * triton.cdiv(inter, bn1) < 2 * num_sms(x.device):
         bn1 //= 2
     act = {"alpha": 1.0 if alpha is None else alpha, "limit": 0.0 if limit is None else limit}
+    tune = dict(tuning or {})
+    if "block_n" in tune:
+        bn = bn1 = tune.pop("block_n")
     moe_gemm(x, w_gate_up, gate_up_scales, gate_up_bias, h, sorted_pairs, block_expert, n * k, top_k=k,
              a_per_token=True, gated=True, activation=activation, **act, block_m=bm, block_n=bn1,
-             block_k=block_k)
+             block_k=block_k, **tune)
     moe_gemm(h, w_down, down_scales, down_bias, y, sorted_pairs, block_expert, n * k, top_k=k,
-             a_per_token=False, gated=False, block_m=bm, block_n=bn, block_k=block_k)
+             a_per_token=False, gated=False, block_m=bm, block_n=bn, block_k=block_k, **tune)
     return combine(y, topk_weights, row_valid, x.dtype)
 
 

@@ -17,6 +17,10 @@ ACT_SWIGLU_OAI = 3  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min
 MOE_ACTS = {**ACTS, "swiglu_oai": ACT_SWIGLU_OAI}
 DENSE_BLOCK_K = 64  # inputs per step: 128 bytes of a bf16 weight row
 MXFP4_BLOCK_K = 128  # inputs per step of an MXFP4 row: 64 bytes of codes, 4 scales
+# How the MXFP4 GEMM dequantises (`mx_mode`): every weight scaled as a bit pattern in the activations'
+# dtype; or through float32 arithmetic; or each 32-input group's dots first, its scale once per column
+# after them (steps of 32 inputs). All three are exact per weight; they differ in instructions per byte.
+MX_BITS, MX_FLOAT, MX_GROUP = 0, 1, 2
 
 
 @triton.jit
@@ -38,17 +42,51 @@ def _mx_values(code, scale, ty: tl.constexpr):
 
 
 @triton.jit
-def _mx_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, acc, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _mx_values_float(code, scale):
+    """The same values through float32 arithmetic (`MX_FLOAT`): e2m1 placed into a float32's exponent
+    and mantissa (codes 0 and 1 apart: no subnormal a flush-to-zero multiply could lose), times the
+    scale 2^(s-127) built as a float32 (s = 0 reads as 0)."""
+    mag = code & 7
+    normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    val = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+    val = tl.where((code & 8) != 0, -val, val)
+    return val * (scale << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, acc, MODE: tl.constexpr, UPCAST: tl.constexpr,
+            PREC: tl.constexpr):
     """acc + a @ W for one K step of an MXFP4 weight: `w_ptrs` [K/2, N] code bytes (low nibble the even
     input, high the odd), `s_ptrs` [K/2, N] the scale of each byte's group; `a_even`/`a_odd` [M, K/2] the
     activations of the even and odd inputs, so no register shuffle interleaves the nibbles. The weights
-    are dequantised straight into the activations' dtype."""
+    are dequantised to the activations' dtype as bit patterns (MX_BITS) or through float32 (MX_FLOAT)."""
     q = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
     scale = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
     ty: tl.constexpr = a_even.dtype
-    w_even = _mx_values(q & 15, scale, ty)
-    w_odd = _mx_values(q >> 4, scale, ty)
+    if MODE == 1:  # MX_FLOAT
+        w_even = _mx_values_float(q & 15, scale).to(ty)
+        w_odd = _mx_values_float(q >> 4, scale).to(ty)
+    else:
+        w_even = _mx_values(q & 15, scale, ty)
+        w_odd = _mx_values(q >> 4, scale, ty)
     return acc + _dot(a_even, w_even, UPCAST, PREC) + _dot(a_odd, w_odd, UPCAST, PREC)
+
+
+@triton.jit
+def _mx_group_dot(a_ptrs_even, a_mask, w_ptrs, s_ptrs, w_mask, s_mask, acc, UPCAST: tl.constexpr,
+                  PREC: tl.constexpr):
+    """acc + a @ W for one 32-input group of an MXFP4 weight (`MX_GROUP`): its 16 code bytes per column
+    `w_ptrs` [16, N] dequantised without their scale (exact e2m1 values), two dots, then the group's one
+    scale per column `s_ptrs` [N] applied to the [M, N] partial sum (a power of two: exact)."""
+    q = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
+    a_even = tl.load(a_ptrs_even, mask=a_mask, other=0.0)
+    a_odd = tl.load(a_ptrs_even + 1, mask=a_mask, other=0.0)
+    ty: tl.constexpr = a_even.dtype
+    w_even = _mx_values(q & 15, 127, ty)  # scale 2^0: the code's own value
+    w_odd = _mx_values(q >> 4, 127, ty)
+    part = _dot(a_even, w_even, UPCAST, PREC) + _dot(a_odd, w_odd, UPCAST, PREC)
+    scale = (tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return acc + part * scale[None, :]
 
 
 @triton.jit
@@ -66,7 +104,7 @@ def _moe_gemm_kernel(
     num_pairs, n_out, n_in, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
     alpha, limit,
     A_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -89,7 +127,21 @@ def _moe_gemm_kernel(
     w_base = w_ptr + e * stride_we + cols[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MXFP4:
+    if MXFP4 and MX_MODE == 2:  # MX_GROUP: a group's scale once per column, after its dots
+        gb = tl.arange(0, 16)  # the 16 code bytes of one 32-input group
+        sg_base = s_ptr + e * stride_se + cols * stride_sn
+        for k0 in range(0, n_in, 32):
+            byte = k0 // 2 + gb
+            k_ok = byte < n_in // 2
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            a_ptrs = a_base + (2 * byte)[None, :]
+            acc = _mx_group_dot(a_ptrs, a_mask, w_base + byte[:, None], sg_base + k0 // 32, w_mask, col_ok, acc,
+                                UPCAST, PREC)
+            if GATED:
+                acc_up = _mx_group_dot(a_ptrs, a_mask, w_base + n_out * stride_wn + byte[:, None],
+                                       sg_base + n_out * stride_sn + k0 // 32, w_mask, col_ok, acc_up, UPCAST, PREC)
+    elif MXFP4:
         kb = tl.arange(0, BLOCK_K // 2)  # code bytes of one step: inputs 2kb (low nibble) and 2kb + 1
         s_base = s_ptr + e * stride_se + cols[None, :] * stride_sn
         for k0 in range(0, n_in, BLOCK_K):
@@ -100,11 +152,11 @@ def _moe_gemm_kernel(
             a_odd = tl.load(a_base + (2 * byte + 1)[None, :], mask=a_mask, other=0.0)
             w_mask = k_ok[:, None] & col_ok[None, :]
             acc = _mx_dot(a_even, a_odd, w_base + byte[:, None], s_base + (byte // 16)[:, None], w_mask, acc,
-                          UPCAST, PREC)
+                          MX_MODE, UPCAST, PREC)
             if GATED:
                 up_w, up_s = w_base + n_out * stride_wn, s_base + n_out * stride_sn
                 acc_up = _mx_dot(a_even, a_odd, up_w + byte[:, None], up_s + (byte // 16)[:, None], w_mask,
-                                 acc_up, UPCAST, PREC)
+                                 acc_up, MX_MODE, UPCAST, PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
         for k0 in range(0, n_in, BLOCK_K):
@@ -154,6 +206,8 @@ def moe_gemm(
     block_n: int,
     block_k: int | None = None,
     num_warps: int = 4,
+    num_stages: int | None = None,  # software-pipelining depth (None: Triton's default)
+    mx_mode: int = MX_BITS,
 ) -> None:
     n_out = out.shape[1]
     n_in = a.shape[1]
@@ -178,6 +232,6 @@ def moe_gemm(
         num_pairs, n_out, n_in, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0), float(alpha), float(limit),
         A_PER_TOKEN=a_per_token, TOP_K=top_k, GATED=gated, ACT=MOE_ACTS[activation], HAS_BIAS=bias is not None,
-        MXFP4=mx, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
-        num_warps=num_warps, **pdl_kwargs(a),
+        MXFP4=mx, MX_MODE=mx_mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
+        num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_kwargs(a),
     )

@@ -11,7 +11,7 @@ import torch
 
 from swaserve.kernels import fused_moe as fused_moe_kernels
 from swaserve.kernels.fused_moe import align_pairs, fused_moe
-from swaserve.kernels.moe_gemm import moe_gemm
+from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP, moe_gemm
 from swaserve.layers import mxfp4
 from swaserve.layers.fused_moe import moe_experts_reference
 
@@ -85,8 +85,9 @@ def test_clamps_engage():
     torch.testing.assert_close(out, dense, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mx_mode", [MX_BITS, MX_FLOAT, MX_GROUP], ids=["bits", "float", "group"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_dequantises_every_code_and_scale_exactly(dtype, device, seed):
+def test_kernel_dequantises_every_code_and_scale_exactly(dtype, mx_mode, device, seed):
     """One-hot activations through the (ungated) down GEMM return the weight itself: every one of the
     256 code bytes, each nibble, and scales 2^-125..2^113 come back as `mxfp4.dequantize` gives them
     (bf16 holds them all: fp32's exponent range; no subnormal or inf, which a 0 x inf in the dot or a
@@ -104,9 +105,19 @@ def test_kernel_dequantises_every_code_and_scale_exactly(dtype, device, seed):
     sorted_pairs, block_expert = align_pairs(ids.to(device), E, 16)
     out = torch.full((E * n_in, H), float("nan"), dtype=dtype, device=device)
     moe_gemm(a.to(device), blocks.to(device), scales.to(device), None, out, sorted_pairs, block_expert,
-             E * n_in, top_k=1, a_per_token=False, gated=False, block_m=16, block_n=16)
+             E * n_in, top_k=1, a_per_token=False, gated=False, block_m=16, block_n=16, mx_mode=mx_mode)
     got = out.cpu().view(E, n_in, H).transpose(1, 2)  # [E, H, n_in]: output row h, input i
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mx_mode", [MX_FLOAT, MX_GROUP], ids=["float", "group"])
+def test_every_dequantisation_mode_matches_the_reference(mx_mode, device, seed):
+    """The gated, biased GPT-OSS path through each of moe_gemm's other MXFP4 modes (the default, bits,
+    runs in every other test), with tile and pipelining overrides as the benchmark sweeps them."""
+    x, w1, w2, w, ids, extra = _problem(9, 6, 2, 160, 64, torch.float32, device, seed, True)
+    tuning = {"mx_mode": mx_mode, "num_warps": 8, "num_stages": 2, "block_n": 32}
+    out = fused_moe(x, w1, w2, w, ids, "swiglu_oai", **extra, tuning=tuning)
+    _check(out, x, w1, w2, w, ids, extra, torch.float32)
 
 
 def test_experts_without_tokens_padded_rows_and_poisoned_buffers(device, seed, monkeypatch):
