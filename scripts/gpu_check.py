@@ -4,7 +4,7 @@ benchmarks in one call, sharded over all visible GPUs and run in parallel proces
 Test steps are split into jobs (a test file, or a slice of a long one) that a pool of pytest processes
 takes longest-first; each process sees one GPU (`CUDA_VISIBLE_DEVICES`) and compiles its own Triton
 kernels, so compile-bound kernel tests and GPU-bound model tests overlap. Tests that need several GPUs
-run as one job that sees them all, once the pool has drained. Benchmarks run last, alone, so their
+run as jobs that see them all, beside the pool (one at a time, each capped at MULTI_JOB_LIMIT_S). Benchmarks run last, alone, so their
 timings are not shared with anything. Logs go to $OUT (one file per step, the limit of what comes back
 from the device machine); the last lines printed are the summary table with pass/fail counts per step.
 """
@@ -38,6 +38,10 @@ BENCHMARKS = [("e_decode_bench", ["benchmarks/decode.py", "--quick"]),
 BENCH_RESERVE_S = 150.0
 # Files whose tests hold a large model (fp32 real-shape cuts next to HF's copy): one at a time per GPU.
 HEAVY_ESTIMATE_S = 120.0
+# A job that sees every GPU runs beside the pool (which keeps a slot per GPU free for it), one such job at a
+# time, each capped: a hung collective must not take the call's time from the other steps. A hang dumps
+# every thread's stack into the job's log (pytest's faulthandler_timeout) before the job is killed.
+MULTI_JOB_LIMIT_S = 200.0
 HEAVY = ("test_gemma4_vs_hf.py", "test_mimo_v2_flash_vs_hf.py", "test_gpt_oss_vs_hf.py", "test_gemma3_1b_vs_hf.py")
 
 
@@ -125,6 +129,9 @@ def run_job(job: Job, gpus: list[str], out: Path, deadline: float) -> None:
     xml = out / "junit" / f"{safe}.xml"
     log = out / "jobs" / f"{safe}.log"
     marker = ["-m", job.step.marker] if job.step.marker else []
+    left = deadline - time.time()
+    if left > 30:  # a hang shows where it is stuck before the job is killed
+        marker += ["-o", f"faulthandler_timeout={int(left - 15)}"]
     env = {**os.environ, **job.step.env, "CUDA_VISIBLE_DEVICES": ",".join(gpus), "PYTHONPATH": pythonpath()}
     start = time.time()
     with open(log, "w") as f:
@@ -286,9 +293,15 @@ def main() -> int:
     print(f"== {len(jobs)} single-GPU jobs, {len(multi)} multi-GPU jobs", flush=True)
     # The benchmarks run last and alone: the tests leave them BENCH_RESERVE_S of the budget.
     tests_deadline = deadline - (BENCH_RESERVE_S if "e" in a.steps.split(",") else 0)
-    for job in multi:  # they see every GPU: first, one at a time, so the pool cannot leave them no time
-        run_job(job, gpus, out, tests_deadline)
-    run_pool(jobs, gpus, a.slots_per_gpu, out, tests_deadline)
+
+    def run_multi() -> None:  # they see every GPU: beside the pool, one at a time, each capped
+        for job in multi:
+            run_job(job, gpus, out, min(tests_deadline, time.time() + MULTI_JOB_LIMIT_S))
+
+    beside = threading.Thread(target=run_multi)
+    beside.start()
+    run_pool(jobs, gpus, a.slots_per_gpu - (1 if multi else 0), out, tests_deadline)
+    beside.join()
     every = jobs + multi
     times = {k: v for j in every for k, v in j.result.get("times", {}).items()}
     (out / "test_times.json").write_text(json.dumps(times, indent=0, sort_keys=True))

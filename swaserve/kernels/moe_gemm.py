@@ -21,6 +21,9 @@ MXFP4_BLOCK_K = 128  # inputs per step of an MXFP4 row: 64 bytes of codes, 4 sca
 # dtype; or through float32 arithmetic; or each 32-input group's dots first, its scale once per column
 # after them (steps of 32 inputs). All three are exact per weight; they differ in instructions per byte.
 MX_BITS, MX_FLOAT, MX_GROUP = 0, 1, 2
+# The float path measured fastest on one H100 at 1, 16 and 256 tokens of the gpt-oss-20b experts
+# (1.27-1.36x the bit patterns; MX_GROUP 1.2x at 64 tokens): benchmarks/results/h100_gpt_oss_moe_sweep_20b.log.
+MX_DEFAULT = MX_FLOAT
 
 
 @triton.jit
@@ -207,7 +210,7 @@ def moe_gemm(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,  # software-pipelining depth (None: Triton's default)
-    mx_mode: int = MX_BITS,
+    mx_mode: int = MX_DEFAULT,
 ) -> None:
     n_out = out.shape[1]
     n_in = a.shape[1]
