@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -132,7 +133,10 @@ def run_job(job: Job, gpus: list[str], out: Path, deadline: float) -> None:
     left = deadline - time.time()
     if left > 30:  # a hang shows where it is stuck before the job is killed
         marker += ["-o", f"faulthandler_timeout={int(left - 15)}"]
-    env = {**os.environ, **job.step.env, "CUDA_VISIBLE_DEVICES": ",".join(gpus), "PYTHONPATH": pythonpath()}
+    if job.step.gpus > 1:
+        marker.append("-s")  # spawned ranks write to the log directly (their stacks too, at a timeout)
+    env = {**os.environ, **job.step.env, "CUDA_VISIBLE_DEVICES": ",".join(gpus), "PYTHONPATH": pythonpath(),
+           "PYTHONFAULTHANDLER": "1"}  # SIGABRT at the deadline: every process of the job prints its stacks
     start = time.time()
     with open(log, "w") as f:
         p = subprocess.Popen([*PYTEST, f"--junitxml={xml}", *marker, *job.ids], cwd=ROOT, env=env,
@@ -140,8 +144,15 @@ def run_job(job: Job, gpus: list[str], out: Path, deadline: float) -> None:
         try:
             rc = p.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            p.wait()
+            for sig, grace in ((signal.SIGABRT, 10), (signal.SIGKILL, None)):
+                try:  # spawned ranks too: they share the job's process group
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    p.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
             rc = "timeout"
     job.result = {"rc": rc, "seconds": round(time.time() - start, 1), "gpus": gpus, **junit_counts(xml),
                   "times": junit_times(xml, job.step.name)}
