@@ -4,6 +4,8 @@ sampled tokens. The scheduler and sampler run on rank 0 only."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +17,8 @@ from swaserve.distributed.launch import RankProcesses, rank_device, start_ranks
 from swaserve.distributed.state import TPGroup, broadcast_from_first, gather_digests, set_tp_group, tp_group
 from swaserve.distributed.worker import run_rank
 from swaserve.memory.table_ops import table_digest
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardInputs
@@ -55,6 +59,23 @@ class StepLead:
     def share(tokens: torch.Tensor) -> None:
         """Rank 0's sampled tokens `[n]` int64 to every rank (in place on the others)."""
         broadcast_from_first(tokens)
+
+
+DESTROY_TIMEOUT_S = 60.0
+
+
+def destroy_group(timeout: float) -> None:
+    """`destroy_process_group()`, given up after `timeout` seconds (logged): a rank stuck elsewhere must
+    not hang the engine's close."""
+    done = threading.Event()
+
+    def run() -> None:
+        dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=run, name="swaserve-tp-destroy", daemon=True).start()
+    if not done.wait(timeout):
+        logger.error("tensor-parallel group teardown did not finish in %.0f s; the ranks are killed", timeout)
 
 
 class TensorParallel:
@@ -101,8 +122,12 @@ class TensorParallel:
         self.procs.closing = True
         try:
             self.channel.send(StepMessage(stop=True))
-        except RuntimeError:
-            pass  # a rank is gone already
+        except RuntimeError:  # a rank is gone already: NCCL's teardown would wait for it forever
+            self.procs.join()
+            set_tp_group(TPGroup())
+            return
+        # Every rank destroys its groups on the stop message, and NCCL's communicator teardown is
+        # collective: rank 0 takes part now, not after joining the ranks (they wait in it for rank 0).
+        destroy_group(DESTROY_TIMEOUT_S)
         self.procs.join()
-        dist.destroy_process_group()
         set_tp_group(TPGroup())
