@@ -45,7 +45,8 @@ class TemplateChat:
                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if reasoning_effort is not None:
             raise ValueError("reasoning_effort applies only to models with a reasoning format (GPT-OSS)")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, template_kwargs=template_kwargs)
+        extra = {"template_kwargs": template_kwargs} if template_kwargs else {}
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         return list(self.tokenizer.encode(text))
 
     def reply_parser(self, separate_reasoning: bool = True, prompt_ids: list[int] | None = None) -> ReplyParser | None:
