@@ -119,4 +119,4 @@ class ThinkingReplyParser:
         if not final and len(held) < len(label) and label.startswith(held):
             return ""
         self._label_pending, self._held = False, ""
-        return held[len(label):] if held.startswith(label) else held
+        return held.removeprefix(label)

@@ -9,7 +9,6 @@ import threading
 import httpx
 import pytest
 import torch
-
 from live_server import fake_spec, start_server
 
 CHUNK = 16  # max_prefill_tokens: the 39-token prompt prefills in 3 steps
