@@ -141,7 +141,7 @@ def test_bad_input_is_a_400_while_a_stream_continues(server):
     result: dict[str, object] = {}
 
     def stream() -> None:
-        s = c.completions.create(model=server.model, prompt="Once upon a time", max_tokens=60, temperature=0,
+        s = c.completions.create(model=server.model, prompt="Once upon a time", max_tokens=24, temperature=0,
                                  extra_body={"ignore_eos": True}, stream=True)
         result["text"] = "".join(x.choices[0].text for x in s if x.choices)
 
@@ -159,5 +159,5 @@ def test_bad_input_is_a_400_while_a_stream_continues(server):
     for extra, words in bad:
         r = httpx.post(server.base_url + "/completions", json={"prompt": "x", "max_tokens": 2, **extra}, timeout=30)
         assert r.status_code == 400 and words in r.json()["error"]["message"], (extra, r.text)
-    t.join(60)
-    assert not t.is_alive() and len(server.client_state.tokenizer.encode(result["text"], add_special_tokens=False)) > 40
+    t.join(300)  # CPU shared with other work: a decode step can take a second
+    assert not t.is_alive() and len(server.client_state.tokenizer.encode(result["text"], add_special_tokens=False)) > 16
