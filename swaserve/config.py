@@ -230,7 +230,8 @@ class ServerConfig:
     chat_template: str | None = _opt(None, "Jinja chat template FILE for models without one (or `gemma`: the "
                                      "built-in Gemma turn format); chat without a template is an error")
     separate_reasoning: bool = _opt(
-        True, "chat replies of models with a reasoning format (GPT-OSS: harmony's analysis channel) put it in "
+        True, "chat replies of models with a reasoning format (GPT-OSS: harmony's analysis channel; Gemma 4 and "
+        "MiMo-V2 thinking blocks) put it in "
         "`reasoning_content` and the answer in `content`; --no-separate-reasoning leaves the reply as written, "
         "markers included, in `content` (a request's `separate_reasoning` overrides)")
     api_server_count: int = _opt(1, "HTTP frontend processes sharing the port, each tokenizing, detokenizing and "

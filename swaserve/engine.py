@@ -41,6 +41,8 @@ class SeqDelta(NamedTuple):
     seed: int | None = None
     # Speculative decoding: (drafted, accepted) tokens of this sequence so far; None: none drafted.
     spec: tuple[int, int] | None = None
+    # First delta, SamplingParams.prompt_logprobs: ({token: logprob} per prompt token after the first, ranks).
+    prompt_logprobs: tuple[list[dict[int, float]], list[int]] | None = None
 
 
 @dataclass
@@ -58,6 +60,13 @@ class _Group:
             if not r.finished:
                 return False
         return True
+
+
+def _prompt_logprobs(r: Req) -> tuple[list[dict[int, float]], list[int]] | None:
+    """A sequence's prompt logprobs and ranks, once every prompt position is scored (None otherwise)."""
+    if r.params.prompt_logprobs is None or r.index != 0 or len(r.prompt_lps or ()) < r.prompt_len - 1:
+        return None
+    return list(r.prompt_lps or ()), list(r.prompt_ranks or ())
 
 
 class Engine:
@@ -156,6 +165,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens)
+        self._check_options(params)
         if self.runner.deterministic and params.seed is None and not params.is_greedy:
             # Deterministic mode: every draw is reproducible; the seed is reported for a resend.
             params = dataclasses.replace(params, seed=secrets.randbits(63))
@@ -169,6 +179,14 @@ class Engine:
             self.scheduler.add(r)
         self._groups[request_id] = group
         self.stats.prompt_tokens_total += len(ids)
+
+    def _check_options(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:5]}")
+        if params.prompt_logprobs is not None and self.tp is not None:
+            raise ValueError("prompt_logprobs (and echo with logprobs) are not supported with tensor parallelism")
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -241,7 +259,8 @@ class Engine:
             deltas.append(SeqDelta(r.group_id, r.index, r.ids[-n:], lps[-n:] if lps is not None else None,
                                    r.finish_reason, (r.num_cached_tokens or 0) if first else None,
                                    r.params.seed if first else None,
-                                   (r.spec_drafted, r.spec_accepted) if r.spec_drafted else None))
+                                   (r.spec_drafted, r.spec_accepted) if r.spec_drafted else None,
+                                   _prompt_logprobs(r) if first else None))
             if r.finish_reason is not None:
                 group = self._groups.get(r.group_id)
                 if group is not None and group.finished:
@@ -251,6 +270,8 @@ class Engine:
     def _commit(self, step: LaunchedStep) -> list[Req]:
         """Wait for a launched step and commit its tokens; the sequences it advanced."""
         tokens, logprobs = step.wait()
+        if step.prompt is not None:  # before the tokens: a request's first delta carries its prompt logprobs
+            step.prompt.record()
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
         self.stats.retractions_total = self.scheduler.retractions_total
         for r in progressed:
@@ -289,9 +310,12 @@ class Engine:
             text = r.detok.text if r.detok is not None else ""
             comps.append(CompletionOutput(r.index, text, ids, lps, r.finish_reason))  # type: ignore[arg-type]
         cached = min(r.num_cached_tokens or 0 for r in group.reqs)
+        scored = _prompt_logprobs(group.reqs[0])
         return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished, num_cached_tokens=cached,
                              seed=group.seed, spec_draft_tokens=sum(r.spec_drafted for r in group.reqs),
-                             spec_accepted_tokens=sum(r.spec_accepted for r in group.reqs))
+                             spec_accepted_tokens=sum(r.spec_accepted for r in group.reqs),
+                             prompt_logprobs=None if scored is None else [None, *scored[0]],
+                             prompt_logprob_ranks=None if scored is None else [None, *scored[1]])
 
     def counters(self) -> dict[str, int]:
         """`memory_stats()` plus the token, retraction and prefix-cache totals: the names /metrics
@@ -305,7 +329,8 @@ class Engine:
                 "retractions_total": self.stats.retractions_total,
                 "prefix_cache_hit_tokens_total": hit, "prefix_cache_miss_tokens_total": query - hit,
                 "spec_draft_tokens_total": spec.drafted_total if spec is not None else 0,
-                "spec_accepted_tokens_total": spec.accepted_total if spec is not None else 0}
+                "spec_accepted_tokens_total": spec.accepted_total if spec is not None else 0,
+                "prompt_logprob_tokens_total": self.launcher.prompt_tokens_scored}
 
     def startup_line(self) -> str:
         """The values chosen for the options left unset and why, and the KV pools: one line."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swaserve.h2d import to_device
+from swaserve.prompt_scores import PromptScores, plan_prompt
 from swaserve.runner.sampler import Sampler, SamplerOutput
 from swaserve.runner.sampling_batch import SamplingBatch, distinct_params, is_plain_greedy
 
@@ -33,6 +34,7 @@ class LaunchedStep:
     asked: list[int | None] | None  # each sampling row's `logprobs` setting; None: no row asked
     out: SamplerOutput | None  # on the host (pinned on CUDA); None when no row samples
     ready: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
+    prompt: PromptScores | None = None  # prompt logprobs scored in this step (record after `wait`)
 
     def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Block until the step is done; its sampled tokens and, if any row asked, logprobs."""
@@ -65,6 +67,7 @@ class StepLauncher:
         # Launches the batches that carry drafts (speculative verify steps; `speculative/verify_step.py`),
         # plugged in by whoever turns speculation on: the launcher imports no speculative code.
         self.verify = verify
+        self.prompt_tokens_scored = 0  # prompt positions whose logprobs were computed (the LM head's extra rows)
 
     def set_observer(self, observer: Any) -> None:
         self.observer = observer
@@ -79,12 +82,12 @@ class StepLauncher:
         if self.lead is not None:
             self.lead.send(inputs, idx)
         fb = inputs.build(self.device)
-        hidden = self.runner.forward_hidden(fb)  # [bs, hidden]
+        hidden, prompt = self.forward_scoring(batch, fb)  # [bs, hidden]
         if self.observer is not None:
             offsets = list(itertools.accumulate(batch.extend_lens, initial=0))[:-1]
             self.observe(batch.reqs, offsets, batch.extend_lens)
         if not idx:
-            return LaunchedStep(batch, [], None, None, None)
+            return LaunchedStep(batch, [], None, None, self._event() if prompt is not None else None, prompt)
         reqs = [batch.reqs[i] for i in idx]
         rows = fb.req_pool_indices
         if len(idx) != len(batch.reqs):
@@ -95,11 +98,30 @@ class StepLauncher:
             self.lead.share(out.next_token_ids)
         self.runner.record_sampled(rows, out.next_token_ids)
         if self.device.type != "cuda":
-            return LaunchedStep(batch, reqs, asked, out, None)
+            return LaunchedStep(batch, reqs, asked, out, None, prompt)
         host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None for t in out))
+        return LaunchedStep(batch, reqs, asked, host, self._event(), prompt)
+
+    def _event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
         ready = torch.cuda.Event()
         ready.record()
-        return LaunchedStep(batch, reqs, asked, host, ready)
+        return ready
+
+    def forward_scoring(self, batch: ScheduleBatch, fb: Any,
+                        extra: torch.Tensor | None = None) -> tuple[torch.Tensor, PromptScores | None]:
+        """The step's forward: each request's last hidden state `[bs, H]` (or, given `extra` token indices,
+        theirs), plus the prompt logprobs the step's prefill chunks owe (`swaserve/prompt_scores.py`),
+        scored from the same forward."""
+        plan = plan_prompt(batch)
+        if plan is None:
+            return self.runner.forward_hidden(fb, extra), None
+        sel = fb.last_token_indices() if extra is None else extra
+        more = to_device(torch.tensor(plan.token_indices, dtype=torch.int64), self.device)
+        states = self.runner.forward_hidden(fb, torch.cat([sel, more]))
+        self.prompt_tokens_scored += len(plan.token_indices)
+        return states[: sel.numel()], plan.score(self.runner, states[sel.numel() :])
 
     def observe(self, reqs: list[Req], offsets: list[int], counts: list[int]) -> None:
         """Hand the drafter the states of the tokens each request confirmed this step: rows

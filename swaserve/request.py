@@ -15,6 +15,7 @@ FinishReason = Literal["stop", "length"]
 # Below this a temperature is treated as greedy: dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100  # OpenAI's range for each bias
 
 
 def _check_number(name: str, value: Any) -> float:
@@ -55,6 +56,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens; 1 disables
     presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
     frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    # OpenAI semantics: token id -> a bias in [-100, 100] added to its logit before sampling (greedy too).
+    logit_bias: dict[int, float] | None = None
+    # vLLM semantics: None, or k: each prompt token's logprob (after the first) plus the top-k at its position.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _check_number("temperature", self.temperature)
@@ -91,6 +96,11 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value:g}")
             setattr(self, name, value)
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 
@@ -129,6 +139,24 @@ class SamplingParams:
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    """{token id: bias} with int ids >= 0 and finite biases in [-100, 100]; None when empty. (Ids beyond
+    the vocabulary are the engine's to refuse: it knows the vocabulary.)"""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for tid, value in bias.items():
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {tid!r}")
+        v = _check_number(f"logit_bias[{tid}]", value)
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{tid}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {v:g}")
+        out[tid] = v
+    return out or None
 
 
 class ListSlice(Sequence[T]):
@@ -209,3 +237,7 @@ class RequestOutput:
     # Speculative decoding: tokens drafted for this request's sequences, and how many were accepted.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt position, {token: logprob} of the top-k plus the prompt's own
+    # token (None for the first position, which nothing predicts), and that token's rank (1 = most likely).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -39,6 +39,11 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
+# apply_chat_template's own arguments: a request's chat_template_kwargs cannot override them.
+_RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "chat_template", "add_generation_prompt", "tokenize",
+                                     "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                     "return_assistant_tokens_mask", "tokenizer_kwargs", "tools", "documents"})
+
 NO_CHAT_TEMPLATE = (
     "this model has no chat template (a base model): send a plain prompt for completion, or give a "
     "template with --chat-template FILE (`--chat-template gemma`: the built-in Gemma turn format)"
@@ -174,18 +179,24 @@ class Tokenizer:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Render a conversation to the prompt text (which may already start with <bos>; `encode`
-        does not add a second one). Content may be a str or a list of {"type": "text"} parts."""
+        does not add a second one). Content may be a str or a list of {"type": "text"} parts.
+        `template_kwargs`: extra template variables (e.g. `enable_thinking`), never the rendering's own."""
         if self.chat_template is None:
             raise ValueError(NO_CHAT_TEMPLATE)
+        extra = dict(template_kwargs or {})
+        taken = sorted(set(extra) & _RESERVED_TEMPLATE_ARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
         conversation = [_check_message(m, i) for i, m in enumerate(_check_list(messages))]
         from jinja2 import TemplateError
 
         try:
             text = self.hf.apply_chat_template(
                 conversation, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=False,
+                tokenize=False, **extra,
             )  # fmt: skip
         except TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e

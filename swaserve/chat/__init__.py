@@ -1,13 +1,16 @@
 """Chat formats: how a model family's chat messages become prompt ids and its replies become reasoning and
-content (`chat_for`: the Jinja chat template, or GPT-OSS's harmony format through openai-harmony)."""
+content (`chat_for`: the Jinja chat template, with thinking blocks split out where the vocabulary has their
+markers (Gemma 4, MiMo-V2), or GPT-OSS's harmony format through openai-harmony)."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
 from swaserve.chat.reply import ParsedReply, RawReply, ReplyDelta, ReplyParser
+from swaserve.chat.thinking import ThinkingFormat, ThinkingReplyParser, detect, opens_thinking
 
-__all__ = ["ChatFormat", "ParsedReply", "RawReply", "ReplyDelta", "ReplyParser", "TemplateChat", "chat_for"]
+__all__ = ["ChatFormat", "ParsedReply", "RawReply", "ReplyDelta", "ReplyParser", "TemplateChat", "ThinkingChat",
+           "chat_for"]
 
 
 class ChatFormat(Protocol):
@@ -17,12 +20,15 @@ class ChatFormat(Protocol):
     stop_token_ids: list[int]
     has_reasoning: bool
 
-    def prompt_ids(self, messages: list[dict[str, str]], reasoning_effort: str | None = None) -> list[int]:
-        """ValueError for messages or options the format cannot take (the server answers 400)."""
+    def prompt_ids(self, messages: list[dict[str, str]], reasoning_effort: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """ValueError for messages or options the format cannot take (the server answers 400).
+        `template_kwargs`: extra variables for a Jinja template (vLLM's `chat_template_kwargs`)."""
         ...
 
-    def reply_parser(self, separate_reasoning: bool = True) -> ReplyParser | None:
-        """None: replies are plain text (no reasoning to split)."""
+    def reply_parser(self, separate_reasoning: bool = True, prompt_ids: list[int] | None = None) -> ReplyParser | None:
+        """None: replies are plain text (no reasoning to split). `prompt_ids`: the reply's prompt (a
+        template may open the thinking block in it)."""
         ...
 
 
@@ -35,14 +41,35 @@ class TemplateChat:
         self.tokenizer = tokenizer
         self.stop_token_ids: list[int] = []  # the template's turn ends are already the tokenizer's EOS ids
 
-    def prompt_ids(self, messages: list[dict[str, str]], reasoning_effort: str | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, str]], reasoning_effort: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if reasoning_effort is not None:
             raise ValueError("reasoning_effort applies only to models with a reasoning format (GPT-OSS)")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        extra = {"template_kwargs": template_kwargs} if template_kwargs else {}
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         return list(self.tokenizer.encode(text))
 
-    def reply_parser(self, separate_reasoning: bool = True) -> ReplyParser | None:
+    def reply_parser(self, separate_reasoning: bool = True, prompt_ids: list[int] | None = None) -> ReplyParser | None:
         return None
+
+
+class ThinkingChat(TemplateChat):
+    """Chat through the Jinja template for a model that thinks in marked blocks (`chat/thinking.py`: Gemma
+    4's channel, MiMo-V2's <think> tags): replies split into reasoning and content. Whether the model
+    thinks at all is the template's business (both take `chat_template_kwargs: {"enable_thinking": true}`)."""
+
+    has_reasoning = True
+
+    def __init__(self, tokenizer: Any, fmt: ThinkingFormat, start_id: int, end_id: int):
+        super().__init__(tokenizer)
+        self.format, self.start_id, self.end_id = fmt, start_id, end_id
+
+    def reply_parser(self, separate_reasoning: bool = True, prompt_ids: list[int] | None = None) -> ReplyParser:
+        """`separate_reasoning=False`: the reply as written, markers included, all in content."""
+        if not separate_reasoning:
+            return RawReply(self.tokenizer)
+        inside = opens_thinking(prompt_ids or [], self.start_id, self.end_id)
+        return ThinkingReplyParser(self.tokenizer, self.format, self.start_id, self.end_id, inside)
 
 
 def chat_for(tokenizer: Any) -> ChatFormat:
@@ -52,4 +79,7 @@ def chat_for(tokenizer: Any) -> ChatFormat:
         from swaserve.chat.harmony import HarmonyChat
 
         return HarmonyChat(tokenizer)
+    thinking = detect(tokenizer) if hasattr(tokenizer, "hf") else None
+    if thinking is not None:
+        return ThinkingChat(tokenizer, *thinking)
     return TemplateChat(tokenizer)

@@ -56,7 +56,10 @@ class HarmonyChat:
         self.stop_token_ids: list[int] = sorted(self.encoding.stop_tokens_for_assistant_actions())  # a set
         self.today = today  # the system message's date (tests fix it)
 
-    def prompt_ids(self, messages: list[dict[str, str]], reasoning_effort: str | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, str]], reasoning_effort: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        if template_kwargs:
+            raise ValueError("chat_template_kwargs do not apply to GPT-OSS: its prompt is rendered by harmony")
         oh = self._oh
         effort = reasoning_effort or "medium"
         if effort not in REASONING_EFFORTS:
@@ -79,7 +82,7 @@ class HarmonyChat:
         convo = oh.Conversation.from_messages(conversation)
         return list(self.encoding.render_conversation_for_completion(convo, oh.Role.ASSISTANT))
 
-    def reply_parser(self, separate_reasoning: bool = True) -> ReplyParser:
+    def reply_parser(self, separate_reasoning: bool = True, prompt_ids: list[int] | None = None) -> ReplyParser:
         """A parser for one reply; `separate_reasoning=False`: the raw reply, channels and all, as content."""
         return HarmonyReplyParser(self) if separate_reasoning else RawReply(self.tokenizer)
 

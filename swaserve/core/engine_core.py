@@ -165,7 +165,7 @@ class EngineCore:
             if d.finish_reason is not None:
                 del live[d.request_id]
             deltas.append((frontend, RequestDelta(d.request_id, d.token_ids, d.logprobs, d.finish_reason,
-                                                  d.cached_tokens, d.seed, d.spec)))
+                                                  d.cached_tokens, d.seed, d.spec, d.prompt_logprobs)))
         return deltas
 
     def _fail_all(self) -> None:

@@ -50,6 +50,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     cached_tokens: int | None = None  # first delta only: prompt tokens served from the prefix cache
     seed: int | None = None  # first delta only: the sampling seed in use (None: greedy, unseeded)
     spec: tuple[int, int] | None = None  # speculative decoding: (drafted, accepted) tokens so far
+    # First delta, prompt_logprobs asked: {token: logprob} per prompt token after the first, and its rank.
+    prompt_logprobs: tuple[list[dict[int, float]], list[int]] | None = None
 
 
 class Rejected(msgspec.Struct, array_like=True):

@@ -1,4 +1,4 @@
-"""Sampler: batched on-device sampling (penalties -> temperature -> top-k -> top-p -> min-p -> draw)
+"""Sampler: batched on-device sampling (logit bias -> penalties -> temperature -> top-k -> top-p -> min-p -> draw)
 over one step's logits, with per-request seeds; its parameters come in a SamplingBatch."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from swaserve.runner.sampling_batch import SamplingBatch
 
 
 class SamplerOutput(NamedTuple):
-    """Result of one sampling step. `logprobs` are log-softmax of the penalised logits at temperature 1,
+    """Result of one sampling step. `logprobs` are log-softmax of the biased, penalised logits at temperature 1,
     before top-k/top-p/min-p truncation (so every sampled token has a finite logprob and values do not
     depend on the temperature), the same distribution the top-n lists are taken from."""
 
@@ -42,7 +42,8 @@ class SamplerOutput(NamedTuple):
 class Sampler:
     """Picks one token per row from float32 logits. Stateless: all per-step state is in SamplingBatch.
 
-    Order (HF's): penalties on the raw logits, then temperature, top-k, top-p (over the top-k
+    Order (HF's, after vLLM's logit bias): each row's logit_bias added to the raw logits, penalties, then
+    temperature, top-k, top-p (over the top-k
     renormalised distribution), min-p, and an exponential-race draw argmax(p / E), E ~ Exp(1), which is
     an exact sample of p. Greedy rows take the argmax of the penalised logits (lowest index on ties).
     A seeded row draws its E from its own generator seeded by (seed, tokens generated so far), on the
@@ -58,7 +59,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape == (batch.batch_size, batch.vocab_size), logits.shape
-        logits = self._apply_penalties(logits.float(), batch)
+        logits = self._apply_penalties(self._apply_logit_bias(logits.float(), batch), batch)
 
         next_ids = logits.argmax(dim=-1)  # [bs] int64
         if not batch.all_greedy:
@@ -76,6 +77,15 @@ class Sampler:
         top_vals, top_ids = logits.topk(batch.max_num_logprobs, dim=-1)
         chosen = logits.gather(1, next_ids[:, None]).squeeze(1) - log_z
         return SamplerOutput(next_ids, chosen, top_ids, top_vals - log_z[:, None])
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """OpenAI's logit_bias: each row's biases added to its logits (out of place: `logits` may be the
+        runner's). A row's token ids are distinct, so the sum has one term per entry and is deterministic."""
+        if batch.logit_bias is None:
+            return logits
+        rows, ids, vals = batch.logit_bias
+        return logits.index_put((rows, ids), vals, accumulate=True)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -67,6 +67,8 @@ class SamplingBatch:
     # The largest top-k of the rows that draw, when every one of them has a top-k of at most
     # TOP_K_SELECT: the Sampler then truncates among that many best logits instead of sorting.
     top_k_width: int | None = None
+    # SamplingParams.logit_bias of every row, flattened: (row, token id, bias); None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # [n] int64, int64, float32; device
 
     @classmethod
     def plain_greedy(cls, bs: int, vocab_size: int) -> SamplingBatch:
@@ -143,12 +145,13 @@ class SamplingBatch:
             _row_seed(p.seed, step, s) if p.seed is not None and not p.is_greedy else None
             for p, step, s in zip(params, steps, samples)
         ]
+        bias = _logit_bias(params, dev) if any(p.logit_bias for p in distinct) else None
         inv_t = seeds = None
         if dev.type == "cuda":
             fresh = torch.randint(0, 1 << 62, (bs,)).tolist()  # unseeded rows: the default generator
             seeds = put([f if r is None else r >> 1 for r, f in zip(row_seeds, fresh)], torch.int64)
             plain = not (need_top_k or need_top_p or need_min_p or asked)
-            if plain and rep_pen is None and counts is None:
+            if plain and rep_pen is None and counts is None and bias is None:
                 inv_t = put([0.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params)],
                             torch.float32)
         return cls(
@@ -174,6 +177,7 @@ class SamplingBatch:
             inv_temperatures=inv_t,
             seeds=seeds,
             top_k_width=top_k_width,
+            logit_bias=bias,
         )
 
 
@@ -183,7 +187,15 @@ def distinct_params(params: list[SamplingParams]) -> list[SamplingParams]:
 
 
 def is_plain_greedy(distinct: list[SamplingParams]) -> bool:
-    return all(p.is_greedy and not p.uses_penalties and p.logprobs is None for p in distinct)
+    return all(p.is_greedy and not p.uses_penalties and p.logprobs is None and not p.logit_bias for p in distinct)
+
+
+def _logit_bias(params: list[SamplingParams], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = [i for i, p in enumerate(params) for _ in (p.logit_bias or ())]
+    ids = [t for p in params for t in (p.logit_bias or ())]
+    vals = [v for p in params for v in (p.logit_bias or {}).values()]
+    return (_to_device(rows, torch.int64, dev), _to_device(ids, torch.int64, dev),
+            _to_device(vals, torch.float32, dev))
 
 
 def _to_device(

@@ -53,7 +53,7 @@ class PrefixSharing:
         computing them again; only the head of the queue waits, for one step."""
         limit = len(req.ids) - 1
         need = min(32, limit - m)
-        if need <= 0:
+        if need <= 0 or req.scores_prompt:  # it computes its whole prompt anyway
             return False
         for r in (*batch, *self.uncommitted):
             if r.committed or r.finished or len(r.ids) < m + need:
@@ -63,8 +63,9 @@ class PrefixSharing:
         return False
 
     def match(self, req: Req) -> int:
-        """Match and lock the longest usable cached prefix (leaving one token to compute); m."""
-        m, node = self.cache.match(req.ids, len(req.ids) - 1)
+        """Match and lock the longest usable cached prefix (leaving one token to compute); m. Nothing for a
+        request with prompt positions left to score: a cached prefix's logits are gone, so it computes them."""
+        m, node = self.cache.match(req.ids, 0 if req.scores_prompt else len(req.ids) - 1)
         self.cache.lock(node)
         req.cache_node, req.cache_len = node, m
         self._lock_swa(req, m)

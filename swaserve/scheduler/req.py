@@ -60,10 +60,21 @@ class Req:
     last_appended: int = 0  # tokens the last committed step appended (several after a verify step)
     spec_drafted: int = 0  # speculative decoding: tokens drafted for this sequence
     spec_accepted: int = 0  # and accepted by the target
+    # SamplingParams.prompt_logprobs (`swaserve/prompt_scores.py`): prompt positions [0, prompt_scored) are
+    # scored by launched steps; entry j of prompt_lps / prompt_ranks is prompt token j + 1's.
+    prompt_scored: int = 0
+    prompt_lps: list[dict[int, float]] | None = None
+    prompt_ranks: list[int] | None = None
 
     @property
     def output_ids(self) -> list[int]:
         return self.ids[self.prompt_len :]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs were asked for and some prompt position has no step launched to score it
+        (only the first of n sequences scores: its siblings have the same prompt)."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and self.prompt_scored < self.prompt_len - 1
 
     @property
     def num_output(self) -> int:

@@ -25,6 +25,7 @@ from swaserve.server.generation import Generation
 from swaserve.server.messages import SubRequest
 from swaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from swaserve.server.responses import Choices, dumps, stream_chunks
+from swaserve.server.tokenize import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -112,18 +113,23 @@ def create_app(
         req = await _parse(request, CompletionRequest, max_body_bytes)
         check_model(req.model)
         rid, n = f"cmpl-{uuid.uuid4().hex}", req.num_choices
+        echo_only = bool(req.echo) and req.max_tokens == 0  # the engine runs one token, which is not reported
+        max_tokens = 1 if echo_only else (req.max_tokens or 16)
+        prompt_lps = req.engine_prompt_logprobs
         subs = [
             SubRequest(
                 f"{rid}-{p * n + j}", p * n + j, prompt=prompt,
-                sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": req.max_tokens or 16,
-                          "logprobs": req.logprobs},
-                token_strings=req.logprobs is not None, stream=bool(req.stream),
+                sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": max_tokens, "logprobs": req.logprobs,
+                          "prompt_logprobs": prompt_lps},
+                token_strings=req.logprobs is not None or prompt_lps is not None, stream=bool(req.stream),
+                echo=bool(req.echo), echo_only=echo_only,
             )
             for p, prompt in enumerate(req.prompts)
             for j in range(n)
         ]
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        choices = Choices(len(subs), n, chat=False, logprobs=req.logprobs)
+        choices = Choices(len(subs), n, chat=False, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
+                          echo=bool(req.echo))
         return await _respond(request, client.generate(subs, arrival), head, choices, req.stream, req.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -142,15 +148,18 @@ def create_app(
                 f"{rid}-{j}", j, messages=messages,
                 sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": req.max_new_tokens,
                           "logprobs": logprobs},
-                token_strings=logprobs is not None, stream=bool(req.stream),
+                token_strings=logprobs is not None or req.prompt_logprobs is not None, stream=bool(req.stream),
                 reasoning_effort=req.reasoning_effort, separate_reasoning=split,
+                include_reasoning=req.include_reasoning is not False, template_kwargs=req.chat_template_kwargs,
             )
             for j in range(req.num_choices)
         ]
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
-        choices = Choices(len(subs), len(subs), chat=True, logprobs=logprobs, reasoning=split)
+        choices = Choices(len(subs), len(subs), chat=True, logprobs=logprobs,
+                          reasoning=split and req.include_reasoning is not False, prompt_logprobs=req.prompt_logprobs)
         return await _respond(request, client.generate(subs, arrival), head, choices, req.stream, req.include_usage)
 
+    add_tokenize_routes(app, client, check_model, lambda request, model: _parse(request, model, max_body_bytes))
     return app
 
 

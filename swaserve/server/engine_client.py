@@ -46,6 +46,7 @@ class _Track:
     prompt_tokens: int
     detok: IncrementalDetokenizer | ParsedReply  # ParsedReply: a chat reply of a model with a reasoning format
     replica: int  # the engine core that runs it
+    prompt_ids: list[int] | None = None  # kept for the first update (echo, prompt logprobs)
     accepted: bool = False
     tokens: int = 0  # token ids handed out (posted or pending)
     chars: int = 0  # characters of detok.text handed out
@@ -171,14 +172,16 @@ class EngineClient:
                 continue
             sampling = {k: v for k, v in sub.sampling.items() if k != "stop"}
             sampling["max_tokens"] = params.max_tokens
-            parser = self.chat.reply_parser(sub.separate_reasoning) if sub.messages is not None else None
+            parser = self.chat.reply_parser(sub.separate_reasoning, ids) if sub.messages is not None else None
             detok: IncrementalDetokenizer | ParsedReply
             if parser is not None:
                 detok = ParsedReply(parser, stop=params.stop)
                 sampling["stop_token_ids"] = [*params.stop_token_ids, *self.chat.stop_token_ids]
             else:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
-            self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica)
+            keep = sub.echo or params.prompt_logprobs is not None
+            self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica,
+                                                  ids if keep else None)
             cores.add(replica, AddRequest(sub.request_id, ids, sampling, self.frontend))
             self.requests.arrived(sub.request_id, arrival, time.monotonic())
         return gen
@@ -253,6 +256,8 @@ class EngineClient:
 
     def _on_delta(self, track: _Track, delta: RequestDelta, now: float) -> None:
         ids, finish, detok = delta.token_ids, delta.finish_reason, track.detok
+        if track.sub.echo_only:  # max_tokens 0: the one token the engine ran for is not part of the answer
+            ids, finish = [], ("length" if finish is not None else None)
         # A core-side "stop" ends on a stop token (EOS or stop_token_ids): in token_ids, but no text.
         text_ids = ids[:-1] if finish == "stop" and ids else ids
         taken = len(ids)
@@ -280,10 +285,13 @@ class EngineClient:
         upd.text += detok.text[track.chars :]
         track.chars = len(detok.text)
         if isinstance(detok, ParsedReply) and len(detok.reasoning) > track.reasoning_chars:
-            upd.reasoning += detok.reasoning[track.reasoning_chars :]
+            if track.sub.include_reasoning:
+                upd.reasoning += detok.reasoning[track.reasoning_chars :]
             track.reasoning_chars = len(detok.reasoning)
         upd.token_ids += new_ids
-        if delta.logprobs is not None:
+        if delta.prompt_logprobs is not None or track.prompt_ids is not None:
+            self._prompt_extras(track, upd, delta)
+        if delta.logprobs is not None and not track.sub.echo_only:
             lps = delta.logprobs[: len(new_ids)]
             upd.logprobs = (upd.logprobs or []) + lps
             if track.sub.token_strings:
@@ -295,13 +303,27 @@ class EngineClient:
             self._untrack(delta.request_id)
             self.metrics.count_finished(finish)
             self.metrics.e2e.observe(now - track.arrival)
-        elif not (upd.text or upd.token_ids):
+        elif not (upd.text or upd.token_ids or upd.prompt_ids is not None):
             return
         elif not track.sub.stream or (track.posted and len(upd.token_ids) < self.stream_interval):
             track.pending = upd  # stream_interval: the first token goes at once, then every N
             return
         track.posted = True
         self._post(track, upd)
+
+    def _prompt_extras(self, track: _Track, upd: Update, delta: RequestDelta) -> None:
+        """The first update's prompt logprobs (with their token strings) and, for echo, the prompt itself."""
+        if delta.prompt_logprobs is not None:
+            upd.prompt_logprobs, upd.prompt_ranks = delta.prompt_logprobs
+            if track.sub.token_strings:
+                upd.token_strs = {**(upd.token_strs or {}), **self._token_strings(upd.prompt_logprobs)}
+        if track.prompt_ids is not None:  # once
+            ids, track.prompt_ids = track.prompt_ids, None
+            upd.prompt_ids, prompt = ids, track.sub.prompt
+            if track.sub.echo:
+                upd.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+            if track.sub.token_strings:
+                upd.token_strs = {**(upd.token_strs or {}), **self._token_strings([dict.fromkeys(ids, 0.0)])}
 
     def _token_strings(self, logprobs: list[dict[int, float]]) -> dict[int, str]:
         cache, decode = self._token_text, self.tokenizer.decode

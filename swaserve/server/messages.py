@@ -22,6 +22,10 @@ class SubRequest:
     stream: bool = True  # False: the route wants the whole completion, so one update at the end
     reasoning_effort: str | None = None  # chat, models with a reasoning format
     separate_reasoning: bool = False  # chat: the reply's reasoning goes to `Update.reasoning`, not `text`
+    include_reasoning: bool = True  # chat, vLLM's include_reasoning: False drops the separated reasoning
+    template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables (chat_template_kwargs)
+    echo: bool = False  # completions: the prompt comes back first (`Update.echo_text`)
+    echo_only: bool = False  # completions, max_tokens 0 with echo: the engine's one token is not reported
 
 
 @dataclass(slots=True)
@@ -41,3 +45,9 @@ class Update:
     seed: int | None = None  # with the first tokens: the sampling seed in use
     spec: tuple[int, int] | None = None  # speculative decoding: (drafted, accepted) tokens so far
     error: APIError | None = None  # add refused, engine failure or shutdown; ends the sub-request
+    # With the first tokens, where asked: the prompt's ids (echo or prompt logprobs), its logprobs ({token:
+    # logprob} per token after the first) and their ranks, and for echo its text.
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_ranks: list[int] | None = None
+    echo_text: str = ""

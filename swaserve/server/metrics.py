@@ -32,6 +32,8 @@ _ENGINE_GAUGES = (
      "Tokens proposed by the speculative drafter."),
     ("spec_accepted_tokens_total", "swaserve_spec_accepted_tokens_total", "counter",
      "Drafted tokens the target model accepted."),
+    ("prompt_logprob_tokens_total", "swaserve_prompt_logprob_tokens_total", "counter",
+     "Prompt positions scored for prompt logprobs / echo (extra LM-head rows; their prompts skip the prefix cache)."),
 )
 _POOL_GAUGES = (
     ("used", "swaserve_kv_used_tokens", "KV slots in use, per pool."),

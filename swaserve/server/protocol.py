@@ -105,8 +105,9 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    # Accepted by OpenAI but not implemented here: rejected rather than silently ignored.
+    # OpenAI: {"token id": bias in [-100, 100]} (JSON keys are strings); ids past the vocabulary: the engine's 400.
     logit_bias: dict[str, Any] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: logprobs of the prompt's tokens
 
     @field_validator("stop")
     @classmethod
@@ -122,9 +123,8 @@ class _SamplingRequest(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, Any] | None) -> None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _check_logit_bias(cls, v: dict[str, Any] | None) -> dict[int, float] | None:
+        return _logit_bias(v)
 
     def sampling_kwargs(self, seed_offset: int = 0) -> dict[str, Any]:
         """SamplingParams keyword arguments (without max_tokens / logprobs, which differ by endpoint)."""
@@ -141,6 +141,10 @@ class _SamplingRequest(_Strict):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
         }
+        if self.logit_bias:
+            kw["logit_bias"] = self.logit_bias
+        if self.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = self.prompt_logprobs
         return kw
 
     @property
@@ -152,11 +156,26 @@ class _SamplingRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _logit_bias(v: dict[str, Any] | None) -> dict[int, float] | None:
+    if not v:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {_short(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias[{key}] must be a number in [-100, 100], got {_short(bias)}")
+        out[int(key)] = float(bias)
+    return out
+
+
 class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions. After validation `prompt` is a non-empty list of str / token-id lists."""
+    """POST /v1/completions. After validation `prompt` is a non-empty list of str / token-id lists.
+    `echo`: the prompt comes back in front of the completion (with its tokens' logprobs when `logprobs` is
+    set, the first one null); `max_tokens: 0` with `echo` returns the prompt alone (lm-eval's loglikelihood)."""
 
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below
-    max_tokens: int | None = Field(None, ge=1)  # None: OpenAI's default of 16
+    max_tokens: int | None = Field(None, ge=0)  # None: OpenAI's default of 16; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
@@ -169,8 +188,10 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when streaming (echo with logprobs is)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1, self.n):
@@ -182,6 +203,13 @@ class CompletionRequest(_SamplingRequest):
     @property
     def prompts(self) -> list[str | list[int]]:
         return self.prompt  # type: ignore[no-any-return]  # normalised by the validator
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs the engine computes: those asked for, and echo's when logprobs are (vLLM's rule)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 def _is_token_list(v: Any) -> bool:
@@ -267,9 +295,13 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # models with a reasoning format (GPT-OSS)
     # SGLang's name: False leaves the reasoning in `content` (the reply as written); None: the server's setting.
     separate_reasoning: bool | None = None
+    include_reasoning: bool | None = True  # vLLM's: False drops the reasoning (no reasoning_content)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking)
 
     @model_validator(mode="after")
     def _check_options(self) -> ChatCompletionRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when streaming")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tools or self.functions:

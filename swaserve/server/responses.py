@@ -11,6 +11,7 @@ import msgspec
 
 from swaserve.server.generation import Generation
 from swaserve.server.messages import Update
+from swaserve.server.prompt_render import echo_logprobs, prompt_logprobs_field
 from swaserve.server.protocol import APIError
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI-compatible servers clamp like this
@@ -51,10 +52,14 @@ def merge(batch: list[Update]) -> list[Update]:
                 upd.index, upd.text, upd.reasoning, list(upd.token_ids),
                 None if upd.logprobs is None else list(upd.logprobs),
                 None if upd.token_strs is None else dict(upd.token_strs), upd.finish_reason,
-                cached_tokens=upd.cached_tokens, seed=upd.seed, spec=upd.spec,
+                cached_tokens=upd.cached_tokens, seed=upd.seed, spec=upd.spec, prompt_ids=upd.prompt_ids,
+                prompt_logprobs=upd.prompt_logprobs, prompt_ranks=upd.prompt_ranks, echo_text=upd.echo_text,
             )
             continue
         prev.spec = upd.spec or prev.spec
+        if prev.prompt_ids is None and upd.prompt_ids is not None:  # the first update of a choice came later
+            prev.prompt_ids, prev.prompt_logprobs, prev.prompt_ranks = upd.prompt_ids, upd.prompt_logprobs, upd.prompt_ranks
+            prev.echo_text = upd.echo_text + prev.echo_text
         if prev.cached_tokens is None:
             prev.cached_tokens, prev.seed = upd.cached_tokens, upd.seed
         prev.text += upd.text
@@ -111,8 +116,11 @@ class Choices:
     `reasoning_content` beside `content`, as vLLM and SGLang send it."""
 
     def __init__(self, num_choices: int, choices_per_prompt: int, chat: bool, logprobs: int | None,
-                 reasoning: bool = False):
+                 reasoning: bool = False, prompt_logprobs: int | None = None, echo: bool = False):
         self.chat = chat
+        self.echo = echo  # completions: each choice's text (and logprobs) start with its prompt's
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field: each choice's (chat: the response's) prompt_logprobs
+        self.prompt_field: list[list[Any] | None] = [None] * num_choices
         self.reasoning = reasoning
         self.logprobs = logprobs
         self.per_prompt = choices_per_prompt
@@ -137,9 +145,27 @@ class Choices:
         if upd.spec is not None:
             self.spec[upd.index] = upd.spec
 
+    def prompt_part(self, upd: Update) -> tuple[str, dict[str, list[Any]] | None]:
+        """A choice's first update: record its prompt_logprobs field; for echo, the prompt text and (with
+        logprobs) the prompt's legacy logprobs that go in front of the completion's."""
+        i = upd.index
+        if self.prompt_logprobs is not None and upd.prompt_logprobs is not None:
+            self.prompt_field[i] = prompt_logprobs_field(upd, self.prompt_logprobs)
+        if not self.echo:
+            return "", None
+        if self.logprobs is None or upd.prompt_logprobs is None:
+            return upd.echo_text, None
+        lp, self.lp_completion[i].offset = echo_logprobs(upd, self.logprobs, self.lp_completion[i].offset)
+        return upd.echo_text, lp
+
     def add(self, upd: Update) -> None:
         i = upd.index
         self.note_first(upd)
+        if upd.prompt_ids is not None:
+            text, lp = self.prompt_part(upd)
+            self.text[i] += text
+            for key, values in (lp or {}).items():
+                self.lp[i][key] += values
         self.text[i] += upd.text
         self.reasoning_text[i] += upd.reasoning
         self.tokens[i] += len(upd.token_ids)
@@ -178,10 +204,15 @@ class Choices:
                 choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": self.finish[i]}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i]}
+                if self.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_field[i]
             if self.seed[i] is not None:
                 choice["seed"] = self.seed[i]  # resend with this seed for the same tokens
             choices.append(choice)
-        return {**head, "choices": choices, "usage": self.usage(prompt_tokens)}
+        body = {**head, "choices": choices, "usage": self.usage(prompt_tokens)}
+        if self.chat and self.prompt_logprobs is not None:  # vLLM's place: one prompt for every choice
+            body["prompt_logprobs"] = self.prompt_field[0]
+        return body
 
 
 async def stream_chunks(
@@ -201,9 +232,13 @@ async def stream_chunks(
                 choices.tokens[upd.index] += len(upd.token_ids)
                 choices.note_first(upd)
                 lp: Any = None
+                echo, echo_lp = choices.prompt_part(upd) if upd.prompt_ids is not None else ("", None)
                 if choices.logprobs is not None and upd.logprobs:
                     lp = ({"content": chat_logprobs(upd, choices.logprobs)} if chat
                           else choices.lp_completion[upd.index].render(upd))
+                if echo_lp is not None:
+                    lp = {key: echo_lp[key] + (lp[key] if lp else []) for key in echo_lp}
+                upd.text = echo + upd.text
                 if not (upd.text or upd.reasoning or upd.finish_reason or lp):
                     continue
                 if chat:

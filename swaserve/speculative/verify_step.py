@@ -18,6 +18,7 @@ from swaserve.speculative.verify import accept
 
 if TYPE_CHECKING:
     from swaserve.launcher import StepLauncher
+    from swaserve.prompt_scores import PromptScores
     from swaserve.scheduler.batch import ScheduleBatch
     from swaserve.scheduler.req import Req
 
@@ -32,6 +33,7 @@ class VerifiedStep:
     reqs: list[Req]
     tokens: list[list[int]]
     logprobs: list[dict[int, float] | None] | None
+    prompt: PromptScores | None = None  # prompt logprobs its prefill chunks scored
 
     def wait(self) -> tuple[list[list[int]], list[dict[int, float] | None] | None]:
         return self.tokens, self.logprobs
@@ -48,7 +50,7 @@ def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
     spec = [i for i, d in zip(idx, drafted) if d]
     plain = [i for i, d in zip(idx, drafted) if not d]
     sel = [t for i in spec for t in range(ends[i] - batch.extend_lens[i], ends[i])] + [ends[i] - 1 for i in plain]
-    hidden = runner.forward_hidden(fb, to_device(torch.tensor(sel, dtype=torch.int64), device))
+    hidden, prompt = launcher.forward_scoring(batch, fb, to_device(torch.tensor(sel, dtype=torch.int64), device))
     n_spec = len(sel) - len(plain)
     out: dict[int, list[int]] = {}
     lps: dict[int, dict[int, float] | None] = {}
@@ -77,4 +79,4 @@ def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
     rows = fb.req_pool_indices[to_device(torch.tensor(idx), device)]
     runner.record_sampled(rows, to_device(torch.tensor([out[i][-1] for i in idx], dtype=torch.int64), device))
     logprobs = [lps.get(i) for i in idx] if lps else None
-    return VerifiedStep(batch, [batch.reqs[i] for i in idx], [out[i] for i in idx], logprobs)
+    return VerifiedStep(batch, [batch.reqs[i] for i in idx], [out[i] for i in idx], logprobs, prompt)

@@ -17,6 +17,7 @@ from swaserve.scheduler.req import Req
 class Params:  # the SamplingParams fields the scheduler reads
     def __init__(self, max_tokens: int):
         self.max_tokens, self.ignore_eos, self.stop_token_ids = max_tokens, True, []
+        self.prompt_logprobs = None
 
 
 def make_req(rid: str, ids: list[int], max_tokens: int) -> Req:

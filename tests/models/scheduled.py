@@ -12,6 +12,7 @@ from swaserve.runtime import build_runtime
 class Params:  # the SamplingParams fields the scheduler reads
     def __init__(self, max_tokens: int):
         self.max_tokens, self.ignore_eos, self.stop_token_ids = max_tokens, True, []
+        self.prompt_logprobs = None
 
 
 def small_hybrid_runtime(path, backend: str):

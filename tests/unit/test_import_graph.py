@@ -36,7 +36,7 @@ PLANES: list[tuple[str, tuple[str, ...]]] = [
     ("prefix_cache", ("prefix_cache/",)),
     ("scheduler", ("scheduler/",)),
     # one step on every rank: assembling (and sizing) a runtime, launching a scheduled step, other TP ranks
-    ("step", ("runtime.py", "sizing.py", "engine_setup.py", "launcher.py", "distributed/")),
+    ("step", ("runtime.py", "sizing.py", "engine_setup.py", "launcher.py", "prompt_scores.py", "distributed/")),
     # drafters and the verify step: they plug into the scheduler and the launcher
     ("speculative", ("speculative/",)),
     ("engine", ("engine.py",)),

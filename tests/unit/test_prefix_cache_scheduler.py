@@ -30,6 +30,7 @@ class Params:
     n: int = 1
     ignore_eos: bool = True
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
 
 def make(full: int, swa: int | None, chunk: int, max_running: int, policy: str = "mixed", ctx: int = 64) -> Scheduler:

@@ -25,6 +25,7 @@ class Params:  # the fields of SamplingParams the scheduler reads
     max_tokens: int
     ignore_eos: bool = True
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
 
 def fake_next_token(ids: list[int]) -> int:
