@@ -20,7 +20,7 @@ import transformers as tf
 from engine_driver import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from common import gpt_oss_hf_config  # noqa: E402
+from common import gpt_oss_hf_config
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
