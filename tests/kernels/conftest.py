@@ -13,6 +13,9 @@ import zlib
 
 if os.environ.get("SWASERVE_KERNEL_TESTS_ON_GPU") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
+    from interpreter_patch import install
+
+    install()  # see tests/interpreter_patch.py
 
 import pytest
 
