@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -93,54 +94,60 @@ class Engine:
                                  "not a LoadedModel")
             self.tp = TensorParallel.start(par_cfg, model, self.device, self.dtype, engine_options)
             self.device = self.tp.device
-        loaded, config = load_engine_model(model, self.device, self.dtype, sched_cfg, runner_cfg)
-        self.model_config: ModelConfig = config
-        self.tokenizer = loaded.tokenizer
-        if chat_template is not None and self.tokenizer is not None:
-            self.tokenizer = self.tokenizer.with_chat_template(chat_template)
-        self.detokenize = detokenize
-        self.model_name = loaded.name
-        tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
-        drafter = None
-        sizing = None
-        if spec_cfg.speculative_method is not None:
-            from swaserve.runtime import size_runtime
-            from swaserve.speculative import build_drafter
+        try:
+            loaded, config = load_engine_model(model, self.device, self.dtype, sched_cfg, runner_cfg)
+            self.model_config: ModelConfig = config
+            self.tokenizer = loaded.tokenizer
+            if chat_template is not None and self.tokenizer is not None:
+                self.tokenizer = self.tokenizer.with_chat_template(chat_template)
+            self.detokenize = detokenize
+            self.model_name = loaded.name
+            tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+            self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
+            drafter = None
+            sizing = None
+            if spec_cfg.speculative_method is not None:
+                from swaserve.runtime import size_runtime
+                from swaserve.speculative import build_drafter
 
-            if runner_cfg.overlap_schedule or self.tp is not None:
-                raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
-                                 "(not yet supported together)")
-            # The drafter sizes its own cache for the target's running limit: choose it first.
-            _, sizing = size_runtime(config, self.device, self.dtype, cache_cfg, sched_cfg)
-            sched_cfg = sizing.sched
-            drafter = build_drafter(spec_cfg, config, self.device, self.dtype, sched_cfg, runner_cfg.load_format)
-        rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg,
-                           start=drafter is None)
-        self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
-        # What was chosen for the options left unset, and why (the startup line of `swaserve serve`).
-        self.sizing = sizing or rt.sizing
-        self._runtime = rt
-        self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
-        overlap = runner_cfg.overlap_schedule
-        self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
-        if drafter is not None:
-            from swaserve.scheduler.speculate import Speculation
-            from swaserve.speculative.verify_step import launch_verify
+                if runner_cfg.overlap_schedule or self.tp is not None:
+                    raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
+                                     "(not yet supported together)")
+                # The drafter sizes its own cache for the target's running limit: choose it first.
+                _, sizing = size_runtime(config, self.device, self.dtype, cache_cfg, sched_cfg)
+                sched_cfg = sizing.sched
+                drafter = build_drafter(spec_cfg, config, self.device, self.dtype, sched_cfg, runner_cfg.load_format)
+            rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg,
+                               start=drafter is None)
+            self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
+            # What was chosen for the options left unset, and why (the startup line of `swaserve serve`).
+            self.sizing = sizing or rt.sizing
+            self._runtime = rt
+            self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
+            overlap = runner_cfg.overlap_schedule
+            self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
+            if drafter is not None:
+                from swaserve.scheduler.speculate import Speculation
+                from swaserve.speculative.verify_step import launch_verify
 
-            self.overlap = False
-            self.launcher.verify = launch_verify
-            if hasattr(drafter, "attach"):
-                drafter.attach(rt)
-            if hasattr(drafter, "observe"):
-                self.launcher.set_observer(drafter)
-            k = spec_cfg.speculative_num_tokens
-            start_runner(rt, runner_cfg, verify=(spec_cfg.speculative_max_batch_size, k + 1))
-            if hasattr(drafter, "start"):  # after the target's graphs: e.g. the drafter's own graphs
-                drafter.start(rt)
-            self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
-                                                     spec_cfg.speculative_max_batch_size)
+                self.overlap = False
+                self.launcher.verify = launch_verify
+                if hasattr(drafter, "attach"):
+                    drafter.attach(rt)
+                if hasattr(drafter, "observe"):
+                    self.launcher.set_observer(drafter)
+                k = spec_cfg.speculative_num_tokens
+                start_runner(rt, runner_cfg, verify=(spec_cfg.speculative_max_batch_size, k + 1))
+                if hasattr(drafter, "start"):  # after the target's graphs: e.g. the drafter's own graphs
+                    drafter.start(rt)
+                self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
+                                                         spec_cfg.speculative_max_batch_size)
+        except BaseException:
+            if self.tp is not None:  # the ranks started: stop them now, not at garbage collection
+                self.tp.close()
+            raise
         self.stats = EngineStats()
+        self.closed = False
         self._groups: dict[str, _Group] = {}
         self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)
         self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last launch
@@ -149,6 +156,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit."""
+        self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -199,10 +207,27 @@ class Engine:
             self.tp.check_tables(self._runtime)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do without them); idempotent."""
-        if self.tp is not None:
-            self.tp.close()
-            self.tp = None
+        """Release what the engine holds, idempotently: the other tensor-parallel ranks stop (and free
+        their devices) and the process groups go; this process's pools, graphs and model weights are
+        dropped and their device memory handed back. The engine takes no more requests."""
+        if self.closed:
+            return
+        self.closed = True
+        tp, self.tp = self.tp, None
+        if tp is not None:
+            tp.close()
+        from swaserve.runner.memory_budget import release_device_memory
+
+        self._groups.clear()
+        self._inflight = None
+        # Everything that holds device tensors (the scheduler holds the pools, a drafter its model).
+        self._runtime = self.runner = self.scheduler = self.allocator = self.launcher = None  # type: ignore[assignment]
+        gc.collect()  # graph runners and drafters sit in reference cycles
+        release_device_memory(self.device)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
