@@ -79,12 +79,16 @@ class Engine:
         are the caller's business (the server's engine core: its frontend detokenizes).
         `engine_options`: fields of the cache, scheduler and runner configs (`swaserve.config`),
         e.g. `max_running_requests=128, overlap_schedule=False`."""
-        from swaserve.runtime import build_runtime, start_runner
+        from swaserve.runtime import build_runtime
 
         cache_cfg, sched_cfg, runner_cfg, par_cfg, spec_cfg = split_engine_options(engine_options)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches on the current device (a replica on cuda:1)
+        if spec_cfg.speculative_method is not None:
+            from swaserve.speculative.setup import check_speculation
+
+            check_speculation(spec_cfg, runner_cfg, par_cfg.tensor_parallel_size)
         self.tp: TensorParallel | None = None
         if par_cfg.tensor_parallel_size > 1:
             from swaserve.distributed.lead import TensorParallel
@@ -108,15 +112,13 @@ class Engine:
             sizing = None
             if spec_cfg.speculative_method is not None:
                 from swaserve.runtime import size_runtime
-                from swaserve.speculative import build_drafter
+                from swaserve.speculative.setup import build_drafter_for
 
-                if runner_cfg.overlap_schedule or self.tp is not None:
-                    raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
-                                     "(not yet supported together)")
                 # The drafter sizes its own cache for the target's running limit: choose it first.
                 _, sizing = size_runtime(config, self.device, self.dtype, cache_cfg, sched_cfg)
                 sched_cfg = sizing.sched
-                drafter = build_drafter(spec_cfg, config, self.device, self.dtype, sched_cfg, runner_cfg.load_format)
+                drafter = build_drafter_for(spec_cfg, config, self.device, self.dtype, sched_cfg,
+                                            runner_cfg.load_format, self.tp is not None)
             rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg,
                                start=drafter is None)
             self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
@@ -127,21 +129,11 @@ class Engine:
             overlap = runner_cfg.overlap_schedule
             self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
             if drafter is not None:
-                from swaserve.scheduler.speculate import Speculation
-                from swaserve.speculative.verify_step import launch_verify
+                from swaserve.speculative.setup import start_speculation
 
                 self.overlap = False
-                self.launcher.verify = launch_verify
-                if hasattr(drafter, "attach"):
-                    drafter.attach(rt)
-                if hasattr(drafter, "observe"):
-                    self.launcher.set_observer(drafter)
-                k = spec_cfg.speculative_num_tokens
-                start_runner(rt, runner_cfg, verify=(spec_cfg.speculative_max_batch_size, k + 1))
-                if hasattr(drafter, "start"):  # after the target's graphs: e.g. the drafter's own graphs
-                    drafter.start(rt)
-                self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
-                                                         spec_cfg.speculative_max_batch_size)
+                self.scheduler.speculation = start_speculation(rt, self.launcher, drafter, spec_cfg, runner_cfg,
+                                                               self.tp is not None)
         except BaseException:
             if self.tp is not None:  # the ranks started: stop them now, not at garbage collection
                 self.tp.close()
@@ -224,6 +216,12 @@ class Engine:
         self._runtime = self.runner = self.scheduler = self.allocator = self.launcher = None  # type: ignore[assignment]
         gc.collect()  # graph runners and drafters sit in reference cycles
         release_device_memory(self.device)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _check_open(self) -> None:
         if self.closed:

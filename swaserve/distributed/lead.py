@@ -48,10 +48,12 @@ class StepLead:
         self.channel = channel
         self.table_log = table_log
 
-    def send(self, inputs: ForwardInputs, sample: list[int]) -> None:
+    def send(self, inputs: ForwardInputs, sample: list[int], select: list[int] | None = None,
+             heads: list[list[int]] | None = None) -> None:
+        """`select` / `heads`: a verify step's (`channel.StepMessage`)."""
         ops = self.table_log[:]
         self.table_log.clear()
-        self.channel.send(StepMessage(ops, inputs.encodable(), sample))
+        self.channel.send(StepMessage(ops, inputs.encodable(), sample, select or [], heads or []))
 
     @staticmethod
     def share(tokens: torch.Tensor) -> None:

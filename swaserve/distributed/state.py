@@ -97,6 +97,20 @@ def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def gather_vocab_tables(model: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole `[vocab, hidden]` token embedding and untied LM head weight (None when tied) of a
+    vocab-parallel `model`, gathered from every rank's block (collective: every rank calls it)."""
+    vocab = model.model.embed_tokens.vocab_size
+
+    def whole(w: torch.Tensor) -> torch.Tensor:
+        out = w.new_empty(_TP.size * w.shape[0], *w.shape[1:])
+        _all_gather(out, w.detach().contiguous(), group=_TP.group)
+        return out[:vocab]
+
+    head = model.lm_head.weight
+    return whole(model.model.embed_tokens.weight), (whole(head) if head is not None else None)
+
+
 def gather_digests(digest: torch.Tensor) -> torch.Tensor:
     """Every rank's `[k]` int64 CPU digest, `[size, k]` (host group)."""
     tp = _TP
