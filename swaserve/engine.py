@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import secrets
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from typing_extensions import Self
 
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
@@ -20,6 +22,24 @@ from swaserve.scheduler.req import Req
 
 if TYPE_CHECKING:
     from swaserve.distributed.lead import TensorParallel
+
+
+# The attributes that hold device memory (the scheduler holds the pools, a drafter its model) or ranks.
+_DEVICE_STATE = ("tp", "_runtime", "runner", "scheduler", "allocator", "launcher", "_inflight", "_groups")
+
+
+def _release_engine(state: dict[str, Any], device: torch.device) -> None:
+    """`Engine.close()`, and what garbage collection of an engine runs: stop the other tensor-parallel
+    ranks, drop everything that holds device tensors, hand the memory back to the device."""
+    from swaserve.runner.memory_budget import release_device_memory
+
+    tp = state.get("tp")
+    if tp is not None:
+        tp.close()
+    for name in _DEVICE_STATE:
+        state.pop(name, None)
+    gc.collect()  # graph runners and drafters sit in reference cycles
+    release_device_memory(device)
 
 
 @dataclass
@@ -140,6 +160,8 @@ class Engine:
             raise
         self.stats = EngineStats()
         self.closed = False
+        # Holds the attribute dict, not the engine: dropping the engine runs it (`_release_engine`).
+        self._release = weakref.finalize(self, _release_engine, self.__dict__, self.device)
         self._groups: dict[str, _Group] = {}
         self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)
         self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last launch
@@ -188,6 +210,8 @@ class Engine:
         raise ValueError("a prompt must be a string or a list of token ids")
 
     def abort(self, request_id: str) -> None:
+        if self.closed:
+            return
         if self._groups.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
 
@@ -201,23 +225,12 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds, idempotently: the other tensor-parallel ranks stop (and free
         their devices) and the process groups go; this process's pools, graphs and model weights are
-        dropped and their device memory handed back. The engine takes no more requests."""
-        if self.closed:
-            return
-        self.closed = True
-        tp, self.tp = self.tp, None
-        if tp is not None:
-            tp.close()
-        from swaserve.runner.memory_budget import release_device_memory
+        dropped and their device memory handed back. The engine takes no more requests. Garbage
+        collection of the engine does the same."""
+        self._release()
+        self.closed, self.tp = True, None
 
-        self._groups.clear()
-        self._inflight = None
-        # Everything that holds device tensors (the scheduler holds the pools, a drafter its model).
-        self._runtime = self.runner = self.scheduler = self.allocator = self.launcher = None  # type: ignore[assignment]
-        gc.collect()  # graph runners and drafters sit in reference cycles
-        release_device_memory(self.device)
-
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -228,6 +241,8 @@ class Engine:
             raise RuntimeError("the engine is closed")
 
     def has_unfinished(self) -> bool:
+        if self.closed:
+            return False
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- stepping ----------------------------------------------------------------------------

@@ -90,6 +90,26 @@ def test_with_block_garbage_collection_and_close_each_end_the_engine(moe_dir):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
 
 
+def test_one_rank_engine_close_and_garbage_collection_drop_its_device_state(moe_dir):
+    """Without ranks too: `close()` drops the model, pools and graphs (their memory goes back to the
+    device on a GPU); so does dropping the engine, without a gc pass of the caller's."""
+    import weakref
+
+    from swaserve.engine import Engine
+
+    engine = Engine(moe_dir, **OPTIONS)
+    model, pools = weakref.ref(engine.runner.model), weakref.ref(engine._runtime.kv)
+    engine.close()
+    assert model() is None and pools() is None
+    assert not engine.has_unfinished()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        engine.add_request("a", [1, 2, 3])
+    engine = Engine(moe_dir, **OPTIONS)
+    model = weakref.ref(engine.runner.model)
+    del engine
+    assert model() is None
+
+
 @pytest.mark.slow
 def test_deterministic_tp2_probes_identical_alone_and_among_other_requests(tmp_path):
     make_hf_model("gemma3", tmp_path, seed=5)
