@@ -38,8 +38,9 @@ def _release_engine(state: dict[str, Any], device: torch.device) -> None:
         tp.close()
     for name in _DEVICE_STATE:
         state.pop(name, None)
-    gc.collect()  # graph runners and drafters sit in reference cycles
-    release_device_memory(device)
+    if device.type == "cuda":  # graph runners and drafters sit in reference cycles: free them now
+        gc.collect()
+        release_device_memory(device)
 
 
 @dataclass

