@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import secrets
 import weakref
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from typing_extensions import Self
 
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
-from swaserve.engine_setup import default_overlap, load_engine_model, resolve_device_dtype
+from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
@@ -22,25 +21,6 @@ from swaserve.scheduler.req import Req
 
 if TYPE_CHECKING:
     from swaserve.distributed.lead import TensorParallel
-
-
-# The attributes that hold device memory (the scheduler holds the pools, a drafter its model) or ranks.
-_DEVICE_STATE = ("tp", "_runtime", "runner", "scheduler", "allocator", "launcher", "_inflight", "_groups")
-
-
-def _release_engine(state: dict[str, Any], device: torch.device) -> None:
-    """`Engine.close()`, and what garbage collection of an engine runs: stop the other tensor-parallel
-    ranks, drop everything that holds device tensors, hand the memory back to the device."""
-    from swaserve.runner.memory_budget import release_device_memory
-
-    tp = state.get("tp")
-    if tp is not None:
-        tp.close()
-    for name in _DEVICE_STATE:
-        state.pop(name, None)
-    if device.type == "cuda":  # graph runners and drafters sit in reference cycles: free them now
-        gc.collect()
-        release_device_memory(device)
 
 
 @dataclass
@@ -161,8 +141,8 @@ class Engine:
             raise
         self.stats = EngineStats()
         self.closed = False
-        # Holds the attribute dict, not the engine: dropping the engine runs it (`_release_engine`).
-        self._release = weakref.finalize(self, _release_engine, self.__dict__, self.device)
+        # Holds the attribute dict, not the engine: dropping the engine runs it (`release_engine`).
+        self._release = weakref.finalize(self, release_engine, self.__dict__, self.device)
         self._groups: dict[str, _Group] = {}
         self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)
         self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last launch

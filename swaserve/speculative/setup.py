@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from swaserve.distributed.state import gather_vocab_tables, single_rank
 
 if TYPE_CHECKING:
-    import torch
-
     from swaserve.config import ModelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
     from swaserve.launcher import StepLauncher
     from swaserve.runtime import Runtime
@@ -95,12 +95,9 @@ def _whole_vocab(model: Any) -> Iterator[None]:
 
     embed, head = model.model.embed_tokens, model.lm_head
     embed_rows, head_rows = gather_vocab_tables(model)
-    with single_rank():
-        import torch
-
-        with torch.device("meta"):
-            whole_embed = VocabEmbedding(embed.vocab_size, embed_rows.shape[1], embed.scale)
-            whole_head = LMHead(head.vocab_size, embed_rows.shape[1], head.tied, head.final_softcap)
+    with single_rank(), torch.device("meta"):
+        whole_embed = VocabEmbedding(embed.vocab_size, embed_rows.shape[1], embed.scale)
+        whole_head = LMHead(head.vocab_size, embed_rows.shape[1], head.tied, head.final_softcap)
     whole_embed.weight = nn.Parameter(embed_rows, requires_grad=False)
     if head_rows is not None:
         whole_head.weight = nn.Parameter(head_rows, requires_grad=False)
