@@ -295,6 +295,18 @@ class SpeculativeConfig:
     speculative_max_batch_size: int = _opt(
         32, "speculate only in steps with at most this many decoding requests (larger batches are compute-bound)")
 
+    @property
+    def verify_shape(self) -> tuple[int, int]:
+        """(largest batch, tokens per request) of the verify steps (their CUDA graphs)."""
+        return self.speculative_max_batch_size, self.speculative_num_tokens + 1
+
+    @property
+    def reads_target_vocab(self) -> bool:
+        """The drafter looks tokens up in the target's embedding (and LM head): EAGLE-3 and MiMo's MTP.
+        Under tensor parallelism rank 0 gathers whole copies of them for it."""
+        return self.speculative_method == "eagle3" or (
+            self.speculative_method == "mtp" and self.speculative_draft_model is None)
+
 
 ENGINE_OPTION_OWNERS = (CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig, SpeculativeConfig)
 

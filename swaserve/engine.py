@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from typing_extensions import Self
 
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
-from swaserve.engine_setup import default_overlap, load_engine_model, resolve_device_dtype
+from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
@@ -87,12 +89,16 @@ class Engine:
         are the caller's business (the server's engine core: its frontend detokenizes).
         `engine_options`: fields of the cache, scheduler and runner configs (`swaserve.config`),
         e.g. `max_running_requests=128, overlap_schedule=False`."""
-        from swaserve.runtime import build_runtime, start_runner
+        from swaserve.runtime import build_runtime
 
         cache_cfg, sched_cfg, runner_cfg, par_cfg, spec_cfg = split_engine_options(engine_options)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches on the current device (a replica on cuda:1)
+        if spec_cfg.speculative_method is not None:
+            from swaserve.speculative.setup import check_speculation
+
+            check_speculation(spec_cfg, runner_cfg, par_cfg.tensor_parallel_size)
         self.tp: TensorParallel | None = None
         if par_cfg.tensor_parallel_size > 1:
             from swaserve.distributed.lead import TensorParallel
@@ -102,54 +108,50 @@ class Engine:
                                  "not a LoadedModel")
             self.tp = TensorParallel.start(par_cfg, model, self.device, self.dtype, engine_options)
             self.device = self.tp.device
-        loaded, config = load_engine_model(model, self.device, self.dtype, sched_cfg, runner_cfg)
-        self.model_config: ModelConfig = config
-        self.tokenizer = loaded.tokenizer
-        if chat_template is not None and self.tokenizer is not None:
-            self.tokenizer = self.tokenizer.with_chat_template(chat_template)
-        self.detokenize = detokenize
-        self.model_name = loaded.name
-        tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
-        drafter = None
-        sizing = None
-        if spec_cfg.speculative_method is not None:
-            from swaserve.runtime import size_runtime
-            from swaserve.speculative import build_drafter
+        try:
+            loaded, config = load_engine_model(model, self.device, self.dtype, sched_cfg, runner_cfg)
+            self.model_config: ModelConfig = config
+            self.tokenizer = loaded.tokenizer
+            if chat_template is not None and self.tokenizer is not None:
+                self.tokenizer = self.tokenizer.with_chat_template(chat_template)
+            self.detokenize = detokenize
+            self.model_name = loaded.name
+            tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+            self.eos_ids = frozenset(tok_eos) | frozenset(config.eos_token_ids)
+            drafter = None
+            sizing = None
+            if spec_cfg.speculative_method is not None:
+                from swaserve.runtime import size_runtime
+                from swaserve.speculative.setup import build_drafter_for
 
-            if runner_cfg.overlap_schedule or self.tp is not None:
-                raise ValueError("speculative decoding runs without overlap scheduling and tensor parallelism "
-                                 "(not yet supported together)")
-            # The drafter sizes its own cache for the target's running limit: choose it first.
-            _, sizing = size_runtime(config, self.device, self.dtype, cache_cfg, sched_cfg)
-            sched_cfg = sizing.sched
-            drafter = build_drafter(spec_cfg, config, self.device, self.dtype, sched_cfg, runner_cfg.load_format)
-        rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg,
-                           start=drafter is None)
-        self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
-        # What was chosen for the options left unset, and why (the startup line of `swaserve serve`).
-        self.sizing = sizing or rt.sizing
-        self._runtime = rt
-        self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
-        overlap = runner_cfg.overlap_schedule
-        self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
-        if drafter is not None:
-            from swaserve.scheduler.speculate import Speculation
-            from swaserve.speculative.verify_step import launch_verify
+                # The drafter sizes its own cache for the target's running limit: choose it first.
+                _, sizing = size_runtime(config, self.device, self.dtype, cache_cfg, sched_cfg)
+                sched_cfg = sizing.sched
+                drafter = build_drafter_for(spec_cfg, config, self.device, self.dtype, sched_cfg,
+                                            runner_cfg.load_format, self.tp is not None)
+            rt = build_runtime(config, loaded.model, self.device, self.dtype, cache_cfg, sched_cfg, runner_cfg,
+                               start=drafter is None)
+            self.plan, self.allocator, self.runner, self.scheduler = rt.plan, rt.allocator, rt.runner, rt.scheduler
+            # What was chosen for the options left unset, and why (the startup line of `swaserve serve`).
+            self.sizing = sizing or rt.sizing
+            self._runtime = rt
+            self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
+            overlap = runner_cfg.overlap_schedule
+            self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
+            if drafter is not None:
+                from swaserve.speculative.setup import start_speculation
 
-            self.overlap = False
-            self.launcher.verify = launch_verify
-            if hasattr(drafter, "attach"):
-                drafter.attach(rt)
-            if hasattr(drafter, "observe"):
-                self.launcher.set_observer(drafter)
-            k = spec_cfg.speculative_num_tokens
-            start_runner(rt, runner_cfg, verify=(spec_cfg.speculative_max_batch_size, k + 1))
-            if hasattr(drafter, "start"):  # after the target's graphs: e.g. the drafter's own graphs
-                drafter.start(rt)
-            self.scheduler.speculation = Speculation(drafter, spec_cfg.speculative_num_tokens,
-                                                     spec_cfg.speculative_max_batch_size)
+                self.overlap = False
+                self.scheduler.speculation = start_speculation(rt, self.launcher, drafter, spec_cfg, runner_cfg,
+                                                               self.tp is not None)
+        except BaseException:
+            if self.tp is not None:  # the ranks started: stop them now, not at garbage collection
+                self.tp.close()
+            raise
         self.stats = EngineStats()
+        self.closed = False
+        # Holds the attribute dict, not the engine: dropping the engine runs it (`release_engine`).
+        self._release = weakref.finalize(self, release_engine, self.__dict__, self.device)
         self._groups: dict[str, _Group] = {}
         self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)
         self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last launch
@@ -158,6 +160,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit."""
+        self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -206,6 +209,8 @@ class Engine:
         raise ValueError("a prompt must be a string or a list of token ids")
 
     def abort(self, request_id: str) -> None:
+        if self.closed:
+            return
         if self._groups.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
 
@@ -217,12 +222,26 @@ class Engine:
             self.tp.check_tables(self._runtime)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do without them); idempotent."""
-        if self.tp is not None:
-            self.tp.close()
-            self.tp = None
+        """Release what the engine holds, idempotently: the other tensor-parallel ranks stop (and free
+        their devices) and the process groups go; this process's pools, graphs and model weights are
+        dropped and their device memory handed back. The engine takes no more requests. Garbage
+        collection of the engine does the same."""
+        self._release()
+        self.closed, self.tp = True, None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed")
 
     def has_unfinished(self) -> bool:
+        if self.closed:
+            return False
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- stepping ----------------------------------------------------------------------------

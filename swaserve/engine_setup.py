@@ -1,9 +1,12 @@
 """What an engine (and every tensor-parallel rank, and a draft model) is built from: the device and
-dtype asked for, the loaded model with its context cap, and whether overlap scheduling pays off."""
+dtype asked for, the loaded model with its context cap, and whether overlap scheduling pays off; and
+how an engine lets go of it (`release_engine`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+from typing import Any
 
 import torch
 
@@ -49,3 +52,20 @@ def default_overlap(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+# The attributes that hold device memory (the scheduler holds the pools, a drafter its model) or ranks.
+_DEVICE_STATE = ("tp", "_runtime", "runner", "scheduler", "allocator", "launcher", "_inflight", "_groups")
+
+
+def release_engine(state: dict[str, Any], device: torch.device) -> None:
+    """`Engine.close()`, and what garbage collection of an engine runs: stop the other tensor-parallel
+    ranks, drop everything that holds device tensors, hand the memory back to the device."""
+    from swaserve.runner.memory_budget import release_device_memory
+
+    tp = state.get("tp")
+    if tp is not None:
+        tp.close()
+    for name in _DEVICE_STATE:
+        state.pop(name, None)
+    if device.type == "cuda":  # graph runners and drafters sit in reference cycles: free them now
+        gc.collect()
+        release_device_memory(device)

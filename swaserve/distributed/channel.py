@@ -16,11 +16,16 @@ class StepMessage(msgspec.Struct, array_like=True, omit_defaults=True):
     """`ops`: device-table writes since the last message (`memory.table_ops`), replayed first;
     `inputs`: the step to run (None: tables only); `sample`: the batch rows whose last token samples
     (every rank computes their logits; rank 0 broadcasts the tokens); `check`: gather a digest of the
-    device tables to rank 0 (`TensorParallel.check_tables`); `stop`: leave the loop."""
+    device tables to rank 0 (`TensorParallel.check_tables`); `stop`: leave the loop.
+    A speculative verify step also has `select` (the token rows whose final states it keeps) and
+    `heads` (the LM-head calls rank 0 makes on them, in its order: `[start, rows]` each); `sample` is
+    then the batch rows whose last appended token rank 0 broadcasts."""
 
     ops: list[list[Any]] = []
     inputs: ForwardInputs | None = None
     sample: list[int] = []
+    select: list[int] = []
+    heads: list[list[int]] = []
     check: bool = False
     stop: bool = False
 

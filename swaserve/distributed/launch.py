@@ -25,6 +25,7 @@ from swaserve.distributed.state import TPGroup, set_tp_group
 
 logger = logging.getLogger(__name__)
 DEATH_GRACE_S = 2.0  # after a rank dies, the engine's own collective gets this long to fail first
+JOIN_TIMEOUT_S = 30.0  # how long a closing engine waits for its ranks before it kills them
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,9 @@ def free_local_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device) -> TPGroup:
+def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, ordered: bool = False) -> TPGroup:
     """Join the group (NCCL on GPUs, gloo on CPU, plus a gloo group for host messages) and make it
-    this process's tensor-parallel group."""
+    this process's tensor-parallel group (`ordered`: deterministic mode's rank-order all-reduce)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -73,9 +74,16 @@ def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device) 
                             timeout=timedelta(minutes=30), **kw)
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    group = TPGroup(rank, world_size, world, cpu_group)
+    group = TPGroup(rank, world_size, world, cpu_group, ordered)
     set_tp_group(group)
     return group
+
+
+def ordered_sums(engine_options: dict[str, Any]) -> bool:
+    """Deterministic mode: every all-reduce sums in rank order (`distributed.state.all_reduce`)."""
+    from swaserve.config import split_engine_options
+
+    return bool(split_engine_options(engine_options)[2].enable_deterministic_inference)
 
 
 class RankProcesses:
@@ -116,15 +124,20 @@ class RankProcesses:
         self.closing = True
         for p in self.procs.values():
             p.join()
+        atexit.unregister(self._at_exit)
 
-    def join(self, timeout: float = 30.0) -> None:
+    def join(self, timeout: float = JOIN_TIMEOUT_S) -> None:
+        """Wait up to `timeout` s in all for the ranks to exit (after rank 0 told them to stop); kill
+        those still running (a rank stuck in a collective never returns)."""
         self.closing = True
         deadline = time.monotonic() + timeout
-        for p in self.procs.values():
+        for r, p in self.procs.items():
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
+                logger.warning("tensor-parallel rank %d did not stop within %.0f s: killed", r, timeout)
                 p.kill()
                 p.join(5)
+        atexit.unregister(self._at_exit)
 
 
 def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dtype: Any,
@@ -139,5 +152,6 @@ def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dt
     specs = [RankSpec(r, par.tensor_parallel_size, addr, str(rank_device(device, r, par)), model, dtype,
                       engine_options, os.getpid()) for r in range(first + 1, first + per_node)]
     procs = RankProcesses(specs, run_rank)
-    group = init_rank(first, par.tensor_parallel_size, addr, rank_device(device, first, par))
+    group = init_rank(first, par.tensor_parallel_size, addr, rank_device(device, first, par),
+                      ordered_sums(engine_options))
     return group, procs

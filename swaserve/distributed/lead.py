@@ -4,8 +4,10 @@ sampled tokens. The scheduler and sampler run on rank 0 only."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,10 +52,12 @@ class StepLead:
         self.channel = channel
         self.table_log = table_log
 
-    def send(self, inputs: ForwardInputs, sample: list[int]) -> None:
+    def send(self, inputs: ForwardInputs, sample: list[int], select: list[int] | None = None,
+             heads: list[list[int]] | None = None) -> None:
+        """`select` / `heads`: a verify step's (`channel.StepMessage`)."""
         ops = self.table_log[:]
         self.table_log.clear()
-        self.channel.send(StepMessage(ops, inputs.encodable(), sample))
+        self.channel.send(StepMessage(ops, inputs.encodable(), sample, select or [], heads or []))
 
     @staticmethod
     def share(tokens: torch.Tensor) -> None:
@@ -78,10 +82,48 @@ def destroy_group(timeout: float) -> None:
         logger.error("tensor-parallel group teardown did not finish in %.0f s; the ranks are killed", timeout)
 
 
+def _shut_down(channel: StepChannel, procs: RankProcesses, device: torch.device) -> None:
+    """Stop the other ranks (each destroys its groups and exits, freeing its device), kill those that do
+    not stop in time, and destroy this process's groups, so another engine can start here."""
+    from swaserve.runner.memory_budget import release_device_memory
+
+    procs.closing = True
+    try:
+        channel.send(StepMessage(stop=True))
+        sent = True
+    except RuntimeError:
+        sent = False  # a rank is gone already
+    release_device_memory(device)  # no collective of ours still queued when the group goes
+    if dist.is_initialized():
+        # Every rank destroys its groups on the stop message, and NCCL's communicator teardown is
+        # collective: rank 0 takes part now, not after joining the ranks (they would wait in it for rank
+        # 0, be killed, and leave rank 0 waiting forever; seen on 2x H200). With a rank gone it cannot
+        # complete under NCCL: bounded.
+        destroy_group(DESTROY_TIMEOUT_S if sent else 5.0)
+    procs.join()
+    set_tp_group(TPGroup())
+
+
+def check_no_open_group() -> None:
+    """ValueError when this process is in a torch.distributed group already: torch has one default
+    group per process, so one tensor-parallel engine at a time. Engines only unreachable (dropped,
+    not yet collected) are collected first, which stops them."""
+    if dist.is_initialized():
+        gc.collect()
+    if dist.is_initialized():
+        raise ValueError("another tensor-parallel engine is open in this process (torch.distributed keeps "
+                         "one group per process): close() it, or leave its `with` block, before starting one")
+
+
 class TensorParallel:
+    """Rank 0's handle on the group. `close()`, or garbage collection of this object (the engine
+    dropped), or the interpreter's exit stops the other ranks and destroys the groups, once."""
+
     def __init__(self, group: TPGroup, procs: RankProcesses, device: torch.device):
         self.group, self.procs, self.device = group, procs, device
         self.channel = StepChannel(group.cpu_group)
+        # Holds no reference to this object, so dropping the engine collects it and runs the shutdown.
+        self._finalizer = weakref.finalize(self, _shut_down, self.channel, procs, device)
 
     @classmethod
     def start(cls, par: ParallelConfig, model: str | None, device: torch.device, dtype: torch.dtype,
@@ -94,6 +136,7 @@ class TensorParallel:
             raise ValueError("enable_cpu_graph does not support tensor parallelism yet (the decode graph "
                              "would have to trace the collectives); run the CPU ranks eagerly")
         check_model_splits(model, par.tensor_parallel_size)
+        check_no_open_group()
         group, procs = start_ranks(par, model, device, dtype, engine_options, run_rank)
         return cls(group, procs, rank_device(device, 0, par))
 
@@ -119,15 +162,5 @@ class TensorParallel:
         assert not bad, f"tensor-parallel rank(s) {bad} hold request tables that differ from rank 0's"
 
     def close(self) -> None:
-        self.procs.closing = True
-        try:
-            self.channel.send(StepMessage(stop=True))
-        except RuntimeError:  # a rank is gone already: NCCL's teardown would wait for it forever
-            self.procs.join()
-            set_tp_group(TPGroup())
-            return
-        # Every rank destroys its groups on the stop message, and NCCL's communicator teardown is
-        # collective: rank 0 takes part now, not after joining the ranks (they wait in it for rank 0).
-        destroy_group(DESTROY_TIMEOUT_S)
-        self.procs.join()
-        set_tp_group(TPGroup())
+        """Idempotent."""
+        self._finalizer()

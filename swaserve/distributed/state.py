@@ -7,6 +7,8 @@ is the identity and nothing here touches torch.distributed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +19,14 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class TPGroup:
     """`group`: the device group (NCCL on GPUs, gloo on CPU) the layers' collectives run on;
-    `cpu_group`: a gloo group for host messages (the step broadcast), the same group on CPU."""
+    `cpu_group`: a gloo group for host messages (the step broadcast), the same group on CPU;
+    `ordered` (deterministic mode): `all_reduce` sums the ranks' partials in rank order."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
     cpu_group: Any = None
+    ordered: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -43,11 +47,34 @@ def set_tp_group(group: TPGroup) -> None:
     _TP = group
 
 
+@contextmanager
+def single_rank() -> Iterator[None]:
+    """Inside: this process acts as a group of one (layers built here hold whole tensors; collectives
+    are the identity). What rank 0 builds and runs alone (a drafter) or the one-rank shapes of a model."""
+    before = _TP
+    set_tp_group(TPGroup())
+    try:
+        yield
+    finally:
+        set_tp_group(before)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over the ranks, in place (a row-parallel projection's partial outputs)."""
+    """Sum of `x` over the ranks, in place (a row-parallel projection's partial outputs). `ordered`
+    groups gather every partial and add them on each rank as `((p0 + p1) + p2) + ...`, whatever the
+    message size or batch: the library's all-reduce picks its algorithm (and so its summation order)
+    by message size, so a row's sum could depend on the rows beside it. A gather only copies bits."""
     tp = _TP
-    if tp.enabled:
+    if not tp.enabled:
+        return x
+    if not tp.ordered:
         dist.all_reduce(x, group=tp.group)
+        return x
+    parts = x.new_empty(tp.size, *x.shape)  # [size, *x.shape]: rank r's partial at r
+    _all_gather(parts.view(tp.size * x.shape[0], *x.shape[1:]), x.contiguous(), group=tp.group)
+    torch.add(parts[0], parts[1], out=x)
+    for r in range(2, tp.size):
+        x.add_(parts[r])
     return x
 
 
@@ -68,6 +95,20 @@ def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     if tp.enabled:
         dist.broadcast(x, src=0, group=tp.group)
     return x
+
+
+def gather_vocab_tables(model: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole `[vocab, hidden]` token embedding and untied LM head weight (None when tied) of a
+    vocab-parallel `model`, gathered from every rank's block (collective: every rank calls it)."""
+    vocab = model.model.embed_tokens.vocab_size
+
+    def whole(w: torch.Tensor) -> torch.Tensor:
+        out = w.new_empty(_TP.size * w.shape[0], *w.shape[1:])
+        _all_gather(out, w.detach().contiguous(), group=_TP.group)
+        return out[:vocab]
+
+    head = model.lm_head.weight
+    return whole(model.model.embed_tokens.weight), (whole(head) if head is not None else None)
 
 
 def gather_digests(digest: torch.Tensor) -> torch.Tensor:

@@ -37,18 +37,26 @@ def _exit_with_parent(parent_pid: int) -> None:
 def run_rank(spec: RankSpec) -> None:
     """Process entry point of rank `spec.rank`."""
     from swaserve.config import split_engine_options
-    from swaserve.distributed.launch import init_rank
+    from swaserve.distributed.launch import init_rank, ordered_sums
+    from swaserve.distributed.state import gather_vocab_tables
     from swaserve.engine_setup import load_engine_model
-    from swaserve.runtime import build_runtime
+    from swaserve.runtime import build_runtime, size_runtime, start_runner
 
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{spec.rank} %(name)s: %(message)s")
     if spec.parent_pid:
         _exit_with_parent(spec.parent_pid)
     device = torch.device(spec.device)
-    group = init_rank(spec.rank, spec.world_size, spec.init_addr, device)
-    cache_cfg, sched_cfg, runner_cfg, _, _ = split_engine_options(spec.engine_options)
+    group = init_rank(spec.rank, spec.world_size, spec.init_addr, device, ordered_sums(spec.engine_options))
+    cache_cfg, sched_cfg, runner_cfg, _, spec_cfg = split_engine_options(spec.engine_options)
     loaded, config = load_engine_model(spec.model, device, spec.dtype, sched_cfg, runner_cfg)
-    rt = build_runtime(config, loaded.model, device, spec.dtype, cache_cfg, sched_cfg, runner_cfg)
+    if spec_cfg.speculative_method is None:
+        rt = build_runtime(config, loaded.model, device, spec.dtype, cache_cfg, sched_cfg, runner_cfg)
+    else:  # rank 0's steps and collectives of `speculative.setup`, without the drafter (rank 0's alone)
+        _, sizing = size_runtime(config, device, spec.dtype, cache_cfg, sched_cfg)
+        rt = build_runtime(config, loaded.model, device, spec.dtype, cache_cfg, sizing.sched, runner_cfg, start=False)
+        if spec_cfg.reads_target_vocab:
+            gather_vocab_tables(rt.runner.model)
+        start_runner(rt, runner_cfg, verify=spec_cfg.verify_shape)
     try:
         follow_steps(rt, StepChannel(group.cpu_group))
     except RuntimeError:
@@ -77,14 +85,20 @@ def follow_steps(rt: Runtime, channel: StepChannel) -> None:
         if msg.inputs is None:
             continue
         batch = msg.inputs.build(runner.device)
-        hidden = runner.forward_hidden(batch)
+        select = torch.tensor(msg.select, dtype=torch.int64, device=runner.device) if msg.select else None
+        hidden = runner.forward_hidden(batch, select)
         if not msg.sample:
             continue
         rows = batch.req_pool_indices
-        if len(msg.sample) != batch.batch_size:
-            sel = torch.tensor(msg.sample, device=runner.device)
-            hidden, rows = hidden[sel], rows[sel]
-        runner.logits(hidden)  # this rank's part of the vocab-parallel gather
+        if msg.heads:  # a speculative verify step: rank 0's LM-head calls, in its order
+            for start, n in msg.heads:
+                runner.logits(hidden[start : start + n])
+            rows = rows[torch.tensor(msg.sample, device=runner.device)]
+        else:
+            if len(msg.sample) != batch.batch_size:
+                sel = torch.tensor(msg.sample, device=runner.device)
+                hidden, rows = hidden[sel], rows[sel]
+            runner.logits(hidden)  # this rank's part of the vocab-parallel gather
         tokens = torch.empty(len(msg.sample), dtype=torch.int64, device=runner.device)
         broadcast_from_first(tokens)
         runner.record_sampled(rows, tokens)

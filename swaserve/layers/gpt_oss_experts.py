@@ -77,6 +77,21 @@ class GptOssExperts(nn.Module):
             return torch.zeros_like(tensor)
         return tensor
 
+    def tp_slice_stored(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole parameter as one rank stores it (gate rows, then up rows; dense
+        weights output-major): `load_format=dummy` draws those whole."""
+        start, local, G = self.start, self.local, mxfp4.GROUP
+        if param_name.startswith("gate_up_proj"):
+            full = tensor.shape[1] // 2
+            return torch.cat([tensor.narrow(1, start, local), tensor.narrow(1, full + start, local)], dim=1)
+        if param_name == "down_proj":
+            return tensor.narrow(2, start, local)
+        if param_name in ("down_proj_blocks", "down_proj_scales"):
+            return tensor.narrow(2, start // G, local // G)
+        if param_name == "down_proj_bias" and self.tp.enabled and self.tp.rank:
+            return torch.zeros_like(tensor)
+        return tensor
+
     def forward(
         self,
         x: torch.Tensor,  # [n, hidden]

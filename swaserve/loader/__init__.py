@@ -72,9 +72,10 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_
     config = ModelConfig.from_hf(hf_config, max_context=max_context)
     module = build_model(config, dtype, device)
     if load_format == "dummy":
-        from swaserve.loader.dummy import init_dummy_weights
+        from swaserve.distributed.state import tp_group
+        from swaserve.loader.dummy import init_dummy_weights, whole_parameter_shapes
 
-        init_dummy_weights(module)
+        init_dummy_weights(module, whole_shapes=whole_parameter_shapes(config) if tp_group().enabled else None)
     else:
         module.load_weights(weights)
     name = "gemma-3-270m" if model is None else (path.stem if resolved.kind == "gguf" else path.name)

@@ -1,41 +1,92 @@
 """Random weights in a model's real shapes (`load_format="dummy"`): for benchmarks and load tests of
-checkpoints too large to ship, e.g. a Gemma-4-26B-A4B config.json with no safetensors beside it.
+checkpoints too large to ship, e.g. a Gemma-4-26B-A4B config.json with no safetensors beside it. Each
+tensor is drawn whole from its own seed, then a tensor-parallel rank keeps its part, so every rank
+count holds the same model (TP=N and TP=1 compare token for token).
 """
 
 from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from swaserve.layers import mxfp4
+from swaserve.layers.linear import MergedLinear
 from swaserve.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from swaserve.config import ModelConfig
 
 # 1-d parameters that multiply activations (an identity at 1), not biases or deltas (at 0).
 _MULTIPLIERS = ("layer_scalar", "router.scale", "per_expert_scale")
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
+                       whole_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """Fill every parameter in place, on its device: matrices ~ N(0, std); norm weights near their
     identity (around 0 for Gemma's `1 + w` form, around 1 otherwise); output scalars 1; other vectors
     (biases, sinks) ~ N(0, 0.05); MXFP4 experts (uint8 `*_blocks` / `*_scales`, as the checkpoint stores
     them) random codes with scales that give weights of RMS ~0.02. Activations then stay O(1) through any
-    depth, and greedy outputs vary with the input, so the model behaves like a real one for memory and speed."""
+    depth, and greedy outputs vary with the input, so the model behaves like a real one for memory and speed.
+
+    Every tensor (each block of a merged projection apart) is drawn from a generator seeded by `seed`
+    and its name. `whole_shapes` (tensor parallelism: `whole_parameter_shapes`): each parameter's shape
+    at one rank; the whole tensor is drawn, then this rank keeps its part (`tp_slice_stored`, else
+    `tp_slice`, of the parameter's module), as it would of a checkpoint's tensor."""
     norm_weights = {id(m.weight): m.unit_offset for m in model.modules() if isinstance(m, RMSNorm) and m.weight is not None}
-    gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
-        g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-        if p.dtype == torch.uint8:
-            if not name.endswith(("_blocks", "_scales")):
-                raise ValueError(f"no random draw for the uint8 parameter {name!r}")
-            (mxfp4.random_codes_ if name.endswith("_blocks") else mxfp4.random_scales_)(p, g)
-        elif id(p) in norm_weights:
-            p.normal_(0.0, 0.05, generator=g)
-            if not norm_weights[id(p)]:
-                p.add_(1.0)
-        elif name.endswith(_MULTIPLIERS):
-            p.fill_(1.0)
-        elif p.ndim >= 2:
-            p.normal_(0.0, std, generator=g)
-        else:
-            p.normal_(0.0, 0.05, generator=g)
+        owner_name, _, pname = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        norm = norm_weights.get(id(p))
+
+        def draw(shape: tuple[int, ...], key: str, name: str = name, p: nn.Parameter = p,
+                 norm: bool | None = norm) -> torch.Tensor:
+            g = torch.Generator(device=p.device).manual_seed((seed << 32) + zlib.crc32(key.encode()))
+            return _draw(torch.empty(shape, dtype=p.dtype, device=p.device), name, norm, std, g)
+
+        if isinstance(owner, MergedLinear):  # one tensor per HF projection, as a checkpoint has them
+            for i, (_, hf_rows) in enumerate(owner.shards):
+                owner.load_shard(i, pname, draw((hf_rows, *p.shape[1:]), f"{name}#{i}"))
+            continue
+        whole = draw(tuple(whole_shapes[name]) if whole_shapes is not None else tuple(p.shape), name)
+        if whole_shapes is not None:
+            part = getattr(owner, "tp_slice_stored", None) or getattr(owner, "tp_slice", None)
+            whole = part(pname, whole) if part is not None else whole
+        if whole.shape != p.shape:
+            raise ValueError(f"dummy weights: no rank's part of {name!r} {tuple(whole.shape)} fits its "
+                             f"parameter {tuple(p.shape)}")
+        p.copy_(whole)
+
+
+def _draw(t: torch.Tensor, name: str, norm: bool | None, std: float, g: torch.Generator) -> torch.Tensor:
+    """`t` filled as parameter `name` is (`norm`: None, or the norm weight's `unit_offset`)."""
+    if t.dtype == torch.uint8:
+        if not name.endswith(("_blocks", "_scales")):
+            raise ValueError(f"no random draw for the uint8 parameter {name!r}")
+        (mxfp4.random_codes_ if name.endswith("_blocks") else mxfp4.random_scales_)(t, g)
+    elif norm is not None:
+        t.normal_(0.0, 0.05, generator=g)
+        if not norm:
+            t.add_(1.0)
+    elif name.endswith(_MULTIPLIERS):
+        t.fill_(1.0)
+    elif t.ndim >= 2:
+        t.normal_(0.0, std, generator=g)
+    else:
+        t.normal_(0.0, 0.05, generator=g)
+    return t
+
+
+def whole_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in the model of `config` at one rank (built on the meta device)."""
+    from swaserve.distributed.state import single_rank
+    from swaserve.models.registry import get_model_class
+
+    hf = config.hf_config
+    cls = get_model_class(config.architecture, getattr(hf, "model_type", None))
+    with single_rank(), torch.device("meta"):
+        model = cls(hf)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}

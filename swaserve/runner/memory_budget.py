@@ -27,3 +27,11 @@ def device_memory_gib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).total_memory / (1 << 30)
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Wait for `device`'s queued work, then hand PyTorch's cached blocks back to the driver (an engine
+    that closed has dropped its tensors and graphs: another process, or engine, can take the memory)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

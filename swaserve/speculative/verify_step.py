@@ -42,7 +42,7 @@ class VerifiedStep:
 def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
     runner, device = launcher.runner, launcher.device
     assert batch.drafts is not None
-    fb = batch.forward_inputs().build(device)
+    inputs = batch.forward_inputs()
     idx = batch.sample_indices()
     nv = len(batch.drafts)
     ends = list(itertools.accumulate(batch.extend_lens))
@@ -50,8 +50,13 @@ def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
     spec = [i for i, d in zip(idx, drafted) if d]
     plain = [i for i, d in zip(idx, drafted) if not d]
     sel = [t for i in spec for t in range(ends[i] - batch.extend_lens[i], ends[i])] + [ends[i] - 1 for i in plain]
-    hidden, prompt = launcher.forward_scoring(batch, fb, to_device(torch.tensor(sel, dtype=torch.int64), device))
     n_spec = len(sel) - len(plain)
+    if launcher.lead is not None:  # tensor parallelism: the other ranks run the same forward and LM-head calls
+        heads = ([[n_spec, len(plain)]] if plain else []) + ([[0, n_spec]] if spec else [])
+        launcher.lead.send(inputs, idx, sel, heads)
+    fb = inputs.build(device)
+    # (prompt logprobs are refused under tensor parallelism: the ranks would not score with rank 0)
+    hidden, prompt = launcher.forward_scoring(batch, fb, to_device(torch.tensor(sel, dtype=torch.int64), device))
     out: dict[int, list[int]] = {}
     lps: dict[int, dict[int, float] | None] = {}
     if plain:
@@ -77,6 +82,9 @@ def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
         kept = [len(out[i]) if i < nv else n for i, n in enumerate(batch.extend_lens)]
         launcher.observe(batch.reqs, starts, kept)
     rows = fb.req_pool_indices[to_device(torch.tensor(idx), device)]
-    runner.record_sampled(rows, to_device(torch.tensor([out[i][-1] for i in idx], dtype=torch.int64), device))
+    last = to_device(torch.tensor([out[i][-1] for i in idx], dtype=torch.int64), device)
+    if launcher.lead is not None:
+        launcher.lead.share(last)
+    runner.record_sampled(rows, last)
     logprobs = [lps.get(i) for i in idx] if lps else None
     return VerifiedStep(batch, [batch.reqs[i] for i in idx], [out[i] for i in idx], logprobs, prompt)

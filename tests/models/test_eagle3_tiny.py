@@ -117,9 +117,12 @@ def target_states(hf, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([seen[i][0] for i in layers], -1)
 
 
-def plain_tokens(path, prompts, steps, device="cpu"):
-    engine = Engine(str(path), device=device, dtype="float32", **OPTIONS)
-    return greedy_tokens(engine, prompts, steps, engine.check_integrity)
+def plain_tokens(path, prompts, steps, device="cpu", tp: int = 1):
+    engine = Engine(str(path), device=device, dtype="float32", **OPTIONS, tensor_parallel_size=tp)
+    try:
+        return greedy_tokens(engine, prompts, steps, engine.check_integrity)
+    finally:
+        engine.close()
 
 
 def prompts_for(vocab: int) -> list[list[int]]:
@@ -128,19 +131,29 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return [motif * 5, torch.randint(1, vocab, (30,), generator=g).tolist(), motif[:3] * 4]
 
 
-def eagle3_run(family: str, tmp_path, device: str = "cpu") -> tuple[int, int]:
+def eagle3_run(family: str, tmp_path, device: str = "cpu", tp: int = 1) -> tuple[int, int]:
     """Plain vs eagle3 greedy on `device` (fp32), two rounds (the second hits the prefix cache), lossless
-    and every pool empty after; the number of the head's proposals equal to the reference, and of all."""
+    and every pool empty after; the number of the head's proposals equal to the reference, and of all.
+    `tp`: the eagle3 engine's tensor-parallel size (the plain one's too)."""
     target_dir, head_dir = tmp_path / "target", tmp_path / "head"
     hf = make_hf_model(family, target_dir)
     V, Ht = hf.config.vocab_size, hf.config.hidden_size
     hidden, draft_vocab, own_embed, layer_ids = HEADS[family]
     w = make_head(head_dir, V, Ht, hidden, draft_vocab, own_embed, layer_ids)
     prompts = prompts_for(V)
-    plain = plain_tokens(target_dir, prompts, 20, device)
+    plain = plain_tokens(target_dir, prompts, 20, device, tp)
 
     engine = Engine(str(target_dir), device=device, dtype="float32", **OPTIONS, speculative_method="eagle3",
-                    speculative_draft_model=str(head_dir), speculative_num_tokens=3)
+                    speculative_draft_model=str(head_dir), speculative_num_tokens=3, tensor_parallel_size=tp)
+    try:
+        return _eagle3_checks(engine, hf, w, family, prompts, plain, device)
+    finally:
+        engine.close()
+
+
+def _eagle3_checks(engine, hf, w, family, prompts, plain, device) -> tuple[int, int]:
+    V, Ht = hf.config.vocab_size, hf.config.hidden_size
+    hidden, draft_vocab, own_embed, layer_ids = HEADS[family]
     drafter = engine.scheduler.speculation.drafter
     if device == "cuda":  # the head's chained decode steps and catch-up extends replay CUDA graphs
         assert drafter.rt.runner.graph_runner is not None and drafter.rt.runner.verify_graphs is not None

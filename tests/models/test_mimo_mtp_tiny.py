@@ -113,22 +113,31 @@ def test_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path):
     assert agree == total, f"{agree}/{total} proposals equal the reference"
 
 
-def mtp_run(tmp_path, device: str) -> tuple[int, int]:
+def mtp_run(tmp_path, device: str, tp: int = 1) -> tuple[int, int]:
     """Plain vs MTP greedy on `device` (fp32), two rounds (the second hits the prefix cache): lossless,
-    every pool empty after, SWA slots of the layer evicted; (proposals equal to the reference, all)."""
+    every pool empty after, SWA slots of the layer evicted; (proposals equal to the reference, all).
+    `tp`: both engines' tensor-parallel size."""
     target_dir = tmp_path / "target"
     hf = make_hf_model("mimo_v2_flash", target_dir)
     cfg = hf.config
     layers = add_mtp_weights(target_dir, cfg)
     prompts = prompts_for(cfg.vocab_size)
     assert max(map(len, prompts)) > 3 * cfg.sliding_window
-    plain_engine = Engine(str(target_dir), device=device, dtype="float32", **OPTIONS)
-    plain = greedy_tokens(plain_engine, prompts, 20, plain_engine.check_integrity)
+    with Engine(str(target_dir), device=device, dtype="float32", **OPTIONS, tensor_parallel_size=tp) as plain_engine:
+        plain = greedy_tokens(plain_engine, prompts, 20, plain_engine.check_integrity)
 
     engine = Engine(str(target_dir), device=device, dtype="float32", **OPTIONS, speculative_method="mtp",
-                    speculative_num_tokens=3)
+                    speculative_num_tokens=3, tensor_parallel_size=tp)
+    try:
+        return _mtp_checks(engine, hf, layers, prompts, plain, device)
+    finally:
+        engine.close()
+
+
+def _mtp_checks(engine, hf, layers, prompts, plain, device) -> tuple[int, int]:
+    cfg = hf.config
     drafter = engine.scheduler.speculation.drafter
-    assert type(drafter).__name__ == "MiMoMTPDrafter"
+    assert type(getattr(drafter, "inner", drafter)).__name__ == "MiMoMTPDrafter"  # (rank 0's alone under TP)
     if device == "cuda":  # the layer's chained decode steps and catch-up extends replay CUDA graphs
         assert drafter.rt.runner.graph_runner is not None and drafter.rt.runner.verify_graphs is not None
     assert drafter.rt.evictor is not None, "the MTP layer slides: its runtime frees out-of-window slots"

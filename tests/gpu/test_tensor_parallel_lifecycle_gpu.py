@@ -1,0 +1,137 @@
+"""Tensor parallelism on two GPUs with real-shape random weights (`load_format="dummy"`: every tensor drawn
+whole, then sharded, so TP=2 and TP=1 hold the same model): Gemma-3-12B's layer shapes cut to 6 layers
+(5 sliding, 1 full). TP=2 gives TP=1's greedy fp32 tokens with CUDA graphs, piecewise graphs and overlap
+on; a `with` block, garbage collection and `close()` each give both GPUs' memory back (the rank process
+exits, rank 0 drops its pools, graphs and weights) and another TP engine starts in the same process;
+deterministic mode (bf16, all-reduces summed in rank order) gives probes bitwise the same tokens and
+logprobs alone and among other requests."""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from common import GEMMA3_SHAPES  # noqa: E402
+
+from swaserve import LLM, SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
+GIB = 1 << 30
+# What a closed engine may leave behind per GPU: this process's CUDA context growth (cuBLAS workspaces,
+# loaded kernels). The engine itself holds >= 10 GiB on each GPU (weights, KV pools, graphs).
+LEFT_BEHIND = 1 * GIB
+OPTIONS = {"device": "cuda", "load_format": "dummy", "max_running_requests": 8, "max_prefill_tokens": 512,
+           "max_context": 2048}
+
+
+@pytest.fixture(scope="module")
+def shape_dir(tmp_path_factory):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from transformers import Gemma3TextConfig
+
+    s = {**GEMMA3_SHAPES["12b"], "num_hidden_layers": 6}
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)]
+    cfg = Gemma3TextConfig(vocab_size=262144, query_pre_attn_scalar=256, layer_types=layer_types,
+                           max_position_embeddings=4096, **s)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    path = tmp_path_factory.mktemp("gemma3_12b_6l")
+    cfg.save_pretrained(path)  # config.json only: the engines draw the weights
+    return str(path)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(10, 200000) for _ in range(n)] for n in (1500, 40, 7, 300)]  # one past the window
+
+
+def greedy(llm: LLM, steps: int = 12) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts(), params, use_tqdm=False)]
+
+
+def free_gib() -> list[float]:
+    gc.collect()
+    return [torch.cuda.mem_get_info(i)[0] / GIB for i in range(2)]
+
+
+def assert_back(before: list[float], what: str) -> None:
+    deadline = time.monotonic() + 10  # the driver may take a moment to reclaim an exited rank's memory
+    while True:
+        after = free_gib()
+        if all(after[i] >= before[i] - LEFT_BEHIND / GIB for i in range(2)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for i in range(2):
+        assert after[i] >= before[i] - LEFT_BEHIND / GIB, (
+            f"{what}: GPU {i} has {before[i] - after[i]:.2f} GiB less free than before the engine")
+
+
+def test_tp2_greedy_fp32_equals_tp1_on_real_shape_dummy_weights(shape_dir):
+    with LLM(shape_dir, dtype="float32", kv_cache_bytes=2 * GIB, **OPTIONS) as llm:
+        one = greedy(llm)
+        assert llm.engine.runner.graph_runner is not None, "decode CUDA graphs are on"
+    with LLM(shape_dir, dtype="float32", kv_cache_bytes=2 * GIB, tensor_parallel_size=2, **OPTIONS) as llm:
+        assert llm.engine.runner.graph_runner is not None and llm.engine.overlap
+        two = greedy(llm)
+        llm.engine.check_integrity()
+    assert len({tuple(t) for t in one}) > 1, "the dummy model's tokens depend on the prompt"
+    assert two == one
+
+
+def test_tp2_with_block_gc_and_close_give_both_gpus_memory_back(shape_dir):
+    before = free_gib()  # (also makes this process's context on both GPUs first)
+    kw = {"dtype": "bfloat16", "tensor_parallel_size": 2, "gpu_memory_fraction": 0.5, **OPTIONS}
+    with LLM(shape_dir, **kw) as llm:
+        first = greedy(llm, 6)
+        held = free_gib()
+        assert all(held[i] < before[i] - 10 for i in range(2)), f"the engine holds memory on both GPUs: {held}"
+    assert_back(before, "after the with block")
+
+    llm = LLM(shape_dir, **kw)  # the second engine in this process (the process group was destroyed)
+    assert greedy(llm, 6) == first
+    del llm
+    assert_back(before, "after the engine was garbage-collected")
+
+    llm = LLM(shape_dir, **kw)
+    assert greedy(llm, 6) == first
+    llm.close()
+    assert_back(before, "after close()")
+
+
+def test_tp1_close_gives_the_gpu_memory_back(shape_dir):
+    before = free_gib()
+    llm = LLM(shape_dir, dtype="bfloat16", gpu_memory_fraction=0.5, **OPTIONS)
+    greedy(llm, 4)
+    assert free_gib()[0] < before[0] - 10
+    llm.close()
+    assert_back(before, "after a one-rank engine's close()")
+
+
+def test_tp2_deterministic_probes_identical_alone_and_among_other_requests(shape_dir):
+    rng = random.Random(5)
+    probes = [(f"p{i}", [rng.randrange(10, 200000) for _ in range(rng.choice([5, 60, 1100]))],
+               SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=16, ignore_eos=True, logprobs=2))
+              for i in range(8)]
+    others = [(f"o{j}", [rng.randrange(10, 200000) for _ in range(rng.randrange(3, 900))],
+               SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(2, 24), ignore_eos=True))
+              for j in range(24)]
+    with LLM(shape_dir, dtype="bfloat16", kv_cache_bytes=4 * GIB, tensor_parallel_size=2,
+             enable_deterministic_inference=True, disable_prefix_cache=True, **OPTIONS) as llm:
+        assert llm.engine.tp.group.ordered
+        alone = {rid: llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for rid, p, sp in probes}
+        mixed = probes + others
+        rng.shuffle(mixed)
+        outs = llm.generate([p for _, p, _ in mixed], [sp for _, _, sp in mixed], use_tqdm=False)
+        batched = {rid: o.outputs[0] for (rid, _, _), o in zip(mixed, outs)}
+    for rid, a in alone.items():
+        b = batched[rid]
+        assert list(b.token_ids) == list(a.token_ids), rid
+        assert [sorted(d.items()) for d in b.logprobs] == [sorted(d.items()) for d in a.logprobs], rid
