@@ -1,10 +1,14 @@
-"""Pool sizing: split a KV byte budget between the full pool and the SWA pool.
+"""Pool sizing: split a KV byte budget between the full pool and the SWA pool, and how many requests
+of a given length the pools hold at once.
 
-A request at context L holds L full-pool slots and at most min(L, S) SWA-pool slots, where
-S = W + margin + evict_chunk is the eviction bound of `memory.window`. Sizing both pools in the
-ratio min(L, S) : L for a planned request length L (plus one prefill chunk of SWA headroom) makes a
-workload of L-token requests fill both pools at about the same time; shorter requests fill the SWA
-pool first, longer ones the full pool. L is the max context unless the caller plans for shorter.
+A request at context L holds up to L full-pool slots. In the SWA pool it keeps at most
+K = `swa_slots_kept(W, margin, evict_chunk)` = W - 2 + margin + chunk slots right after out-of-window
+freeing (`memory.window`, at most L), plus whatever one step adds on top before the next freeing: one
+decode token per request, or a prefill chunk (at most the step budget, shared by a step's requests).
+Sizing both pools in the ratio S : L with S = min(L, W + margin + chunk) for a planned request length L,
+plus one step budget of SWA headroom, makes a workload of L-token requests fill both pools at about the
+same time; shorter requests fill the SWA pool first, longer ones the full pool. L is the max context
+unless the caller plans for shorter.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from swaserve.config import KVGroup
+from swaserve.memory.window import swa_slots_kept
 
 
 @dataclass(frozen=True)
@@ -24,26 +29,45 @@ class MemoryPlan:
     swa_tokens: int
     full_bytes_per_token: int  # every layer cached in the full pool, summed
     swa_bytes_per_token: int
-    swa_tokens_per_request: int  # at max context: the eviction bound, capped by the context
+    swa_tokens_per_request: int  # the split's SWA share of a request: W + margin + chunk, at most max_context
     max_context: int
     hybrid: bool
     full_group: KVGroup | None = None  # the K/V shape of each pool, for `describe`
     swa_group: KVGroup | None = None
     kv_shared_layers: int = 0  # layers reading another layer's K/V: no bytes in either pool
     planned_request_tokens: int = 0  # the request length the split was sized for (hybrid plans)
+    swa_kept_per_request: int = 0  # hybrid plans: SWA slots a request keeps right after out-of-window freeing
+    step_tokens: int = 0  # new tokens one step adds at most (the prefill budget), on top of what is kept
 
     @property
     def total_bytes(self) -> int:
         return self.full_tokens * self.full_bytes_per_token + self.swa_tokens * self.swa_bytes_per_token
 
     def max_concurrent_requests(self, context: int) -> int:
-        """How many requests of `context` tokens (prompt + output) fit at once."""
+        """How many requests of `context` tokens (prompt + output) fit at once, whatever the split of
+        their tokens between prompt and output: none of them is ever retracted or kept waiting for
+        memory (tests/unit/test_capacity.py runs it).
+
+        Full pool: n * context <= full_tokens. SWA pool: a request holds at most `context` slots,
+        and right after out-of-window freeing at most K = `swa_kept_per_request`; one step adds at
+        most max(step budget, one decode token per request) before the next freeing, so n requests
+        fit if min(n * context, n * K + max(step_tokens, n)) <= swa_tokens."""
         if context <= 0:
             raise ValueError("context must be positive")
         n = self.full_tokens // context
         if self.hybrid:
-            n = min(n, self.swa_tokens // min(context, self.swa_tokens_per_request))
+            n = min(n, self._swa_fit(context))
         return n
+
+    def _swa_fit(self, context: int) -> int:
+        """The largest n with min(n * context, n * K + max(step, n)) <= swa_tokens (the left side
+        grows with n: the largest n of either bound)."""
+        swa, step, kept = self.swa_tokens, self.step_tokens, min(context, self.swa_kept_per_request)
+        fit = swa // context  # each request holding every token it has
+        if swa >= step:  # n <= step: n * K + step <= swa
+            fit = max(fit, step if kept == 0 else min(step, (swa - step) // kept))
+        above = swa // (kept + 1)  # n > step: n * (K + 1) <= swa
+        return max(fit, above) if above > step else fit
 
     def describe(self) -> str:
         """One line: each pool's tokens, K/V shape and bytes per token, and the total."""
@@ -100,6 +124,7 @@ def plan_memory(
                           swa_group=swa_group, kv_shared_layers=kv_shared_layers)
     assert window is not None
     swa_per_req = min(max_context, window + evict_margin + evict_chunk)
+    kept = min(max_context, swa_slots_kept(window, evict_margin, evict_chunk))
     planned = max_context if request_tokens is None else min(request_tokens, max_context)
     if planned < 1:
         raise ValueError("request_tokens must be positive")
@@ -115,4 +140,4 @@ def plan_memory(
     swa_tokens = int(full_tokens * ratio) + headroom
     return MemoryPlan(full_tokens, swa_tokens, full_b, swa_b, swa_per_req, max_context, hybrid=True,
                       full_group=full_group, swa_group=swa_group, kv_shared_layers=kv_shared_layers,
-                      planned_request_tokens=planned)
+                      planned_request_tokens=planned, swa_kept_per_request=kept, step_tokens=prefill_chunk)

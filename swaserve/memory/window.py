@@ -5,9 +5,10 @@ keys including itself. If every query at positions < `next_query_pos` has run, t
 remaining query can read is `next_query_pos - W + 1`; everything before it, less `margin` positions
 kept for steps in flight, is dead in the SWA pool. Full-pool slots are untouched.
 
-Bound: slots are freed in chunks of `chunk`, so a request whose queries up to `next_query_pos` have
-run holds at most `(W - 1) + margin + chunk + (seq_len - next_query_pos)` SWA slots — in steady
-decode (one new token per step) that is W + margin + chunk.
+Bound: slots are freed in chunks of `chunk`, so right after `evict` a request keeps at most
+`swa_slots_kept(W, margin, chunk) = (W - 2) + margin + chunk` SWA slots (fewer than a chunk of dead
+positions left, plus the W - 1 + margin live ones), and holds that plus the tokens scheduled after it:
+in steady decode (one new token per step) W - 1 + margin + chunk.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ import torch
 
 from swaserve.memory.req_to_token import ReqToTokenPool
 from swaserve.memory.swa import SWATokenToKVPoolAllocator
+
+
+def swa_slots_kept(window: int, margin: int, chunk: int) -> int:
+    """Most SWA slots a request keeps right after out-of-window freeing at its `next_query_pos`:
+    the W - 1 + margin positions a future query may still read, plus up to `chunk - 1` dead ones
+    waiting for a full chunk. The memory planner counts requests with it."""
+    return window - 2 + margin + chunk
 
 
 class SWAEvictor:
@@ -41,7 +49,7 @@ class SWAEvictor:
     def threshold(self) -> int:
         """`evict` frees something iff `next_query_pos - evicted >= threshold`: callers test this
         inline on the per-step path instead of calling `evict` for every request."""
-        return self.window - 1 + self.margin + self.chunk
+        return swa_slots_kept(self.window, self.margin, self.chunk) + 1
 
     def frontier(self, next_query_pos: int) -> int:
         """First position that a query at >= next_query_pos may still read (less the margin)."""
@@ -76,5 +84,6 @@ class SWAEvictor:
         return out
 
     def max_held(self, new_tokens_per_step: int = 1) -> int:
-        """Upper bound on SWA slots one request holds (see the module docstring)."""
-        return self.window - 1 + self.margin + self.chunk + new_tokens_per_step
+        """Most SWA slots one request holds after freeing and then allocating `new_tokens_per_step`
+        (the module docstring; exact: a request decoding in step with its chunks reaches it)."""
+        return swa_slots_kept(self.window, self.margin, self.chunk) + new_tokens_per_step
