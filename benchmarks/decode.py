@@ -33,24 +33,31 @@ def bench_point(engine, loaded, bs: int, ctx: int, steps: int, warm: int, bw: fl
 
     g = torch.Generator().manual_seed(seed)
     vocab = min(200000, engine.model_config.vocab_size)
-    # To the context limit: the mixed policy decodes the first prompts while it prefills the others,
-    # so a budget of warm + steps tokens ran out mid-measurement for them (the batch shrank).
+    # The engine prefills first (schedule_policy="prefill_first"): nothing decodes until every prompt is
+    # in, so each request enters the timed steps with the same few output tokens. Under the mixed policy
+    # the first prompts decoded while the rest prefilled (256 x 8k prompts at 16k tokens a step: ~130
+    # steps) and ran out of max_tokens mid-measurement: the batch shrank by the ~2 requests a step that
+    # had been prefilled together, with no retraction.
     params = SamplingParams(temperature=0, max_tokens=engine.scheduler.max_context - ctx, ignore_eos=True)
     ids = [f"p{bs}-{ctx}-{i}" for i in range(bs)]
     for rid in ids:
         engine.add_request(rid, torch.randint(10, vocab, (ctx,), generator=g).tolist(), params)
     while engine.scheduler.waiting or any(r.pending > 1 for r in engine.scheduler.running):
-        engine.step()  # prefill (with the first prompts decoding meanwhile: mixed steps)
+        engine.step()
     for _ in range(warm):
         engine.step()
     assert len(engine.scheduler.running) == bs, "the whole batch must decode together"
+    retractions = engine.scheduler.retractions_total
     t0 = now(engine.device)
     shapes = []
     for _ in range(steps):
         engine.step()
         shapes.append(engine.last_step)
     dt = now(engine.device) - t0
-    assert all(sh == ("decode", bs, bs) for sh in shapes), f"not all timed steps decoded {bs}: {set(shapes)}"
+    if not all(sh == ("decode", bs, bs) for sh in shapes):
+        sched = engine.scheduler
+        raise AssertionError(f"not all timed steps decoded {bs}: {sorted(set(shapes))}; retractions during them: "
+                             f"{sched.retractions_total - retractions}; still running: {len(sched.running)}")
     for rid in ids:
         engine.abort(rid)
     step = dt / steps
@@ -99,9 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for shape, (bss, ctxs) in plan.items():
         loaded = random_model(shape, dev, dtype)
-        max_ctx = max(ctxs) + 2 * (a.steps + a.warmup) + 64  # room for the tokens decoded during prefill
+        max_ctx = max(ctxs) + 2 * (a.steps + a.warmup) + 64  # room for warm-up and timed decode steps
         engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=max(bss), max_context=max_ctx,
-                        max_prefill_tokens=16384, disable_cuda_graph=a.disable_cuda_graph)
+                        max_prefill_tokens=16384, schedule_policy="prefill_first",
+                        disable_cuda_graph=a.disable_cuda_graph)
         print(f"# {shape}: weights {param_bytes(loaded.model) / 2**30:.2f} GiB as stored; {engine.plan.describe()}; "
               f"requests of 8192 tokens at once: {engine.plan.max_concurrent_requests(8192)}", flush=True)
         for ctx in ctxs:

@@ -95,7 +95,7 @@ def setup(w: dict, ctx: int, prompt: int) -> tuple[MemoryPlan, dict]:
     return plan, run
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads)
 def test_stated_capacity_runs_as_with_unlimited_memory(w):
     """N = max_concurrent_requests(ctx) requests, any prompt/output split, either policy, overlap, prefix
@@ -110,7 +110,7 @@ def test_stated_capacity_runs_as_with_unlimited_memory(w):
     assert planned == free, f"memory changed the schedule of {n} requests: {plan}"
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads, per_step=st.integers(1, 3))
 def test_beyond_what_the_pools_hold_requests_retract_or_wait(w, per_step):
     """Requests in phase: equal prompts, `per_step` whole ones prefilled a step (prefill_first) before
