@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
     hidden = torch.zeros(a.requests, 8)
     tokens = torch.zeros(a.requests, dtype=torch.int64)
-    engine.runner.forward_hidden = lambda fb: hidden[: fb.batch_size]  # the stubs: host work only
+    engine.runner.forward_hidden = lambda fb, token_indices=None: hidden[: fb.batch_size]  # the stubs: host work only
     engine.runner.greedy_tokens = lambda h: tokens[: h.shape[0]]
     for _ in range(5):
         engine.step(finished_only=a.finished_only)
