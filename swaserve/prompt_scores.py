@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swaserve.h2d import to_device
+from swaserve.runner.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from swaserve.scheduler.batch import ScheduleBatch
@@ -85,7 +86,10 @@ class PromptScores:
 
 def plan_prompt(batch: ScheduleBatch) -> PromptPlan | None:
     """The prompt positions of `batch` still to score (advancing each request's `prompt_scored`), or None
-    when no request in it asked for prompt logprobs."""
+    when no request in it asked for prompt logprobs. A decode step owes none (every prompt position was
+    launched in a prefill chunk before its request decodes): no per-row scan on the decode hot path."""
+    if batch.mode is ForwardMode.DECODE:
+        return None
     indices: list[int] = []
     targets: list[int] = []
     jobs: list[tuple[Req, int, int]] = []
