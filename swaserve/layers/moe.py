@@ -19,9 +19,14 @@ if TYPE_CHECKING:
 
 
 class TopKRouter(nn.Module):
-    """Picks `top_k` experts per token; their weights are a softmax over the selected logits only."""
+    """Picks `top_k` experts per token; their weights are a softmax over the selected logits only.
+    Logits in float32 from float32 parameters (the owning model keeps them so whatever its dtype):
+    bf16 logits round to steps of 1/8 at the magnitudes routers reach, which reorders experts that are
+    close (measured at gpt-oss-20b widths on an H100: 1.7-2.3% of tokens routed to another expert set
+    than in fp32, each a large error in that token's output)."""
 
     batch_invariant = False  # deterministic mode (`layers.batch_invariant`)
+    float32_params = True  # `CausalLM._apply` keeps weight and bias float32
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int):
         super().__init__()
@@ -30,7 +35,7 @@ class TopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts))  # [E]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = _linear(x, self.weight, self.bias, self.batch_invariant)  # [n, E]
+        logits = _linear(x.float(), self.weight, self.bias, self.batch_invariant)  # [n, E] float32
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [n, k]
         return torch.softmax(top, dim=-1), ids
 
@@ -143,6 +148,7 @@ class GroupedTopKRouter(nn.Module):
     HF names: weight, e_score_correction_bias."""
 
     batch_invariant = False  # deterministic mode (`layers.batch_invariant`)
+    float32_params = True  # `CausalLM._apply` keeps weight and bias float32
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
                  norm_topk_prob: bool, routed_scaling_factor: float):

@@ -138,6 +138,15 @@ class CausalLM(nn.Module):
         softcap = getattr(hf, "final_logit_softcapping", None)
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, tied, softcap)
 
+    def _apply(self, fn, recurse: bool = True) -> nn.Module:
+        # `model.to(dtype)` casts every parameter: modules that declare `float32_params` (the MoE
+        # routers, whose choices bf16 would flip) get theirs back in float32.
+        super()._apply(fn, recurse)
+        for m in self.modules():
+            if getattr(m, "float32_params", False) and any(p.dtype != torch.float32 for p in m.parameters()):
+                m.float()
+        return self
+
     # ---- hooks for family files -----------------------------------------------------------------
 
     def embed_scale(self) -> float | None:

@@ -9,7 +9,7 @@ skipped here: the MTP drafter (`speculative/mimo_mtp.py`) loads them itself.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,14 +58,6 @@ class MiMoV2FlashForCausalLM(CausalLM):
                              "use a bf16 or fp32 checkpoint")
         self._experts_loaded: dict[str, set[tuple[int, str]]] = {}
         super().__init__(hf_config)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        # `model.to(dtype)` casts every parameter: put the routers back (transformers loads them float32 too).
-        super()._apply(fn, recurse)
-        for m in self.modules():
-            if isinstance(m, GroupedTopKRouter) and any(p.dtype != torch.float32 for p in m.parameters()):
-                m.float()
-        return self
 
     def is_moe(self, layer_id: int) -> bool:
         kinds = getattr(self.hf_config, "mlp_layer_types", None)

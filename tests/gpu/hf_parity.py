@@ -80,12 +80,18 @@ def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]], s: Setup,
     """Rows per prompt (first divergence, logit differences up to it) and the number of decode replays."""
     ref = [hf_greedy(hf_model, p, s.steps) for p in prompts]
     our_logits, our_tokens, replays = ours_greedy(hf_model, dtype, prompts, s, checkpoint)
+    return divergence_rows(prompts, ref, list(zip(our_logits, our_tokens)), s.steps), len(replays)
+
+
+def divergence_rows(prompts: list[list[int]], ref: list, got: list, steps: int) -> list[dict]:
+    """Per prompt, greedy run `got` (logits `[steps, vocab]`, tokens) against `ref`: the first step
+    whose token differs and the logit differences up to it (past it the histories differ)."""
     rows = []
-    for p, (hl, ht), ol, ot in zip(prompts, ref, our_logits, our_tokens):
-        assert ol.shape == hl.shape and len(ot) == s.steps
+    for p, (hl, ht), (ol, ot) in zip(prompts, ref, got):
+        assert ol.shape == hl.shape and len(ot) == steps
         assert torch.isfinite(ol).all(), f"prompt of {len(p)} tokens: non-finite logits"
-        d = next((i for i in range(s.steps) if ot[i] != ht[i]), None)
-        upto = s.steps if d is None else d + 1  # logits up to the divergence share one history
+        d = next((i for i in range(steps) if ot[i] != ht[i]), None)
+        upto = steps if d is None else d + 1  # logits up to the divergence share one history
         o, h = ol[:upto], hl[:upto]
         row = {"prompt_len": len(p), "first_divergence": d,
                "max_logit_diff": (o - h).abs().max().item(),
@@ -96,7 +102,7 @@ def compare(hf_model, dtype: torch.dtype, prompts: list[list[int]], s: Setup,
             row["hf_gap_at_divergence"] = (hl[d, ht[d]] - hl[d, ot[d]]).item()
             row["our_gap_at_divergence"] = (ol[d, ot[d]] - ol[d, ht[d]]).item()
         rows.append(row)
-    return rows, len(replays)
+    return rows
 
 
 def assert_fp32_parity(rows: list[dict], atol: float) -> None:
@@ -131,17 +137,14 @@ def bf16_rows(hf_fp32, prompts: list[list[int]], compare) -> list[dict]:
     return rows
 
 
-@torch.inference_mode()
-def first_token_rel_rms(hf_fp32, hf_bf16, prompts: list[list[int]]) -> list[float]:
-    """Per prompt, HF bf16's own first-token logit RMS difference from HF fp32 (relative to the fp32
-    logits' spread): how far the bf16 reference itself is from the exact one."""
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p], device=DEV)
-        ref = hf_fp32(ids).logits[0, -1].float()
-        got = hf_bf16(ids).logits[0, -1].float()
-        out.append(((got - ref).norm() / (ref - ref.mean()).norm()).item())
-    return out
+def hf_bf16_rows(hf_fp32, prompts: list[list[int]], steps: int) -> list[dict]:
+    """HF's own bf16 model (`bf16_copy`, freed afterwards) greedy against HF fp32, as `divergence_rows`:
+    how far the bf16 reference itself is from the exact one (a yardstick for ours in bf16)."""
+    hf_bf16 = bf16_copy(hf_fp32)
+    got = [hf_greedy(hf_bf16, p, steps) for p in prompts]
+    del hf_bf16
+    torch.cuda.empty_cache()
+    return divergence_rows(prompts, [hf_greedy(hf_fp32, p, steps) for p in prompts], got, steps)
 
 
 def assert_bf16_near_ties(rows: list[dict], gap: float) -> None:

@@ -197,3 +197,23 @@ def test_uneven_expert_shards_sum_to_the_whole(quantized, monkeypatch):
     whole = run(0, 1)
     parts = [run(r, 4) for r in range(4)]
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_router_is_float32_in_bf16_models():
+    """A bf16 model routes as float32 arithmetic does on the same inputs (bf16 logits would reorder
+    close experts: 10 tokens of these 4096)."""
+    model = build_model(ModelConfig.from_hf(gpt_oss()), torch.bfloat16, "cpu")
+    routers = [layer.mlp.router for layer in model.model.layers]
+    assert all(p.dtype == torch.float32 for r in routers for p in r.parameters())
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    router = routers[0]
+    g = torch.Generator().manual_seed(0)
+    router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+    router.bias.copy_(torch.randn(router.bias.shape, generator=g))
+    x = torch.randn(4096, router.weight.shape[1], generator=g).bfloat16()
+    weights, ids = router(x)
+    exact = torch.addmm(router.bias.double(), x.double(), router.weight.double().T)
+    top, exact_ids = exact.topk(router.top_k, dim=-1)
+    assert weights.dtype == torch.float32 and torch.equal(ids, exact_ids)
+    torch.testing.assert_close(weights.double(), torch.softmax(top, -1), rtol=1e-5, atol=1e-6)
