@@ -56,10 +56,10 @@ def experts(model: str, H: int, E: int, I: int, dev: torch.device, g: torch.Gene
 
 def with_variants(formats: dict, variants: str | None) -> list[tuple[str, dict]]:
     """The formats to time: each as built, then the MXFP4 one again per `--variants` entry (its tuning)."""
-    from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP
+    from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED
 
     out = list(formats.items())
-    modes = {"bits": MX_BITS, "float": MX_FLOAT, "group": MX_GROUP}
+    modes = {"bits": MX_BITS, "float": MX_FLOAT, "group": MX_GROUP, "scaled": MX_SCALED}
     for v in (variants.split(",") if variants and "mxfp4" in formats else []):
         mode, bn, warps, stages = v.split(":")
         tuning = {"mx_mode": modes[mode], "num_warps": int(warps)}

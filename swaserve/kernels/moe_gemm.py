@@ -20,7 +20,9 @@ MXFP4_BLOCK_K = 128  # inputs per step of an MXFP4 row: 64 bytes of codes, 4 sca
 # How the MXFP4 GEMM dequantises (`mx_mode`): every weight scaled as a bit pattern in the activations'
 # dtype; or through float32 arithmetic; or each 32-input group's dots first, its scale once per column
 # after them (steps of 32 inputs). All three are exact per weight; they differ in instructions per byte.
-MX_BITS, MX_FLOAT, MX_GROUP = 0, 1, 2
+# MX_SCALED hands codes and scales to Triton's `tl.dot_scaled` (bf16 activations only; others fall back
+# to MX_FLOAT), whose Hopper lowering upcasts e2m1 in the MMA operand's own register layout.
+MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED = 0, 1, 2, 3
 # The float path measured fastest on one H100 at 1, 16 and 256 tokens of the gpt-oss-20b experts
 # (1.27-1.36x the bit patterns; MX_GROUP 1.2x at 64 tokens): benchmarks/results/h100_gpt_oss_moe_sweep_20b.log.
 MX_DEFAULT = MX_FLOAT
@@ -144,6 +146,24 @@ def _moe_gemm_kernel(
             if GATED:
                 acc_up = _mx_group_dot(a_ptrs, a_mask, w_base + n_out * stride_wn + byte[:, None],
                                        sg_base + n_out * stride_sn + k0 // 32, w_mask, col_ok, acc_up, UPCAST, PREC)
+    elif MXFP4 and MX_MODE == 3:  # MX_SCALED: a [M, K] bf16, codes [K/2, N] packed along K, scales [N, K/32]
+        ks = tl.arange(0, BLOCK_K)
+        kb = tl.arange(0, BLOCK_K // 2)
+        kg = tl.arange(0, BLOCK_K // 32)
+        sc_base = s_ptr + e * stride_se + cols[:, None] * stride_sn
+        for k0 in range(0, n_in, BLOCK_K):
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < n_in)[None, :], other=0.0)
+            byte = k0 // 2 + kb
+            w_mask = (byte < n_in // 2)[:, None] & col_ok[None, :]
+            grp = k0 // 32 + kg
+            s_mask = col_ok[:, None] & (grp < n_in // 32)[None, :]
+            w = tl.load(w_base + byte[:, None], mask=w_mask, other=0)
+            sc = tl.load(sc_base + grp[None, :], mask=s_mask, other=127)
+            acc = tl.dot_scaled(a, None, "bf16", w, sc, "e2m1", acc=acc)
+            if GATED:
+                wu = tl.load(w_base + n_out * stride_wn + byte[:, None], mask=w_mask, other=0)
+                su = tl.load(sc_base + n_out * stride_sn + grp[None, :], mask=s_mask, other=127)
+                acc_up = tl.dot_scaled(a, None, "bf16", wu, su, "e2m1", acc=acc_up)
     elif MXFP4:
         kb = tl.arange(0, BLOCK_K // 2)  # code bytes of one step: inputs 2kb (low nibble) and 2kb + 1
         s_base = s_ptr + e * stride_se + cols[None, :] * stride_sn
@@ -228,6 +248,8 @@ def moe_gemm(
     if bias is not None:
         assert bias.shape == (E, rows) and bias.stride(1) == 1, bias.shape
     block_k = block_k or (MXFP4_BLOCK_K if mx else DENSE_BLOCK_K)
+    if mx_mode == MX_SCALED and a.dtype != torch.bfloat16:
+        mx_mode = MX_FLOAT  # dot_scaled takes bf16 (or fp16) activations, not float32
     upcast, prec = dot_flags(a.dtype)
     s = scales if mx else w  # an unused pointer argument still needs a tensor
     _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n_out, block_n))](

@@ -11,7 +11,7 @@ import torch
 
 from swaserve.kernels import fused_moe as fused_moe_kernels
 from swaserve.kernels.fused_moe import align_pairs, fused_moe
-from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP, moe_gemm
+from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED, moe_gemm
 from swaserve.layers import mxfp4
 from swaserve.layers.fused_moe import moe_experts_reference
 
@@ -85,7 +85,7 @@ def test_clamps_engage():
     torch.testing.assert_close(out, dense, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("mx_mode", [MX_BITS, MX_FLOAT, MX_GROUP], ids=["bits", "float", "group"])
+@pytest.mark.parametrize("mx_mode", [MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED], ids=["bits", "float", "group", "scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_dequantises_every_code_and_scale_exactly(dtype, mx_mode, device, seed):
     """One-hot activations through the (ungated) down GEMM return the weight itself: every one of the
@@ -110,14 +110,16 @@ def test_kernel_dequantises_every_code_and_scale_exactly(dtype, mx_mode, device,
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("mx_mode", [MX_FLOAT, MX_GROUP], ids=["float", "group"])
-def test_every_dequantisation_mode_matches_the_reference(mx_mode, device, seed):
-    """The gated, biased GPT-OSS path through each of moe_gemm's other MXFP4 modes (the default, bits,
-    runs in every other test), with tile and pipelining overrides as the benchmark sweeps them."""
-    x, w1, w2, w, ids, extra = _problem(9, 6, 2, 160, 64, torch.float32, device, seed, True)
+@pytest.mark.parametrize("mx_mode", [MX_BITS, MX_GROUP, MX_SCALED], ids=["bits", "group", "scaled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_dequantisation_mode_matches_the_reference(mx_mode, dtype, device, seed):
+    """The gated, biased GPT-OSS path through each of moe_gemm's other MXFP4 modes (the default, float,
+    runs in every other test), with tile and pipelining overrides as the benchmark sweeps them; an input
+    size (160) that leaves the last 128-input step half full."""
+    x, w1, w2, w, ids, extra = _problem(9, 6, 2, 160, 64, dtype, device, seed, True)
     tuning = {"mx_mode": mx_mode, "num_warps": 8, "num_stages": 2, "block_n": 32}
     out = fused_moe(x, w1, w2, w, ids, "swiglu_oai", **extra, tuning=tuning)
-    _check(out, x, w1, w2, w, ids, extra, torch.float32)
+    _check(out, x, w1, w2, w, ids, extra, dtype)
 
 
 def test_experts_without_tokens_padded_rows_and_poisoned_buffers(device, seed, monkeypatch):
