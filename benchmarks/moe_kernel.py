@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default=None, help="HIDDEN,EXPERTS,TOP_K,INTERMEDIATE (default: the model's)")
     ap.add_argument("--block-k", type=int, default=None, help="MXFP4: inputs per GEMM step (default 128)")
     ap.add_argument("--variants", default=None,
-                    help="MXFP4: comma-separated MODE:BLOCK_N:WARPS:STAGES (MODE bits, float or group; 0 keeps "
+                    help="MXFP4: comma-separated MODE:BLOCK_N:WARPS:STAGES (MODE bits, float, group or scaled; 0 keeps "
                          "the default), each timed as its own row")
     a = parse_args(ap, argv, smoke=dict(tokens="1,5", calls=1, shape="64,8,2,32", variants="group:16:4:2"))
     H, E, K, I = (int(x) for x in (a.shape or SHAPES[a.model]).split(","))

@@ -11,3 +11,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     done
     export PYTHONPATH=.:/tmp/site
 fi
+# GPT-OSS chat (harmony) needs the o200k_base vocabulary; the random-weight model directories carry a stand-in
+# tokenizer it cannot be regenerated from, so carry the file (`bash scripts/fetch_o200k.sh .gpu_assets/o200k`).
+if [ -f .gpu_assets/o200k/o200k_base.tiktoken ] && [ -z "${TIKTOKEN_ENCODINGS_BASE:-}" ]; then
+    export TIKTOKEN_ENCODINGS_BASE="$PWD/.gpu_assets/o200k"
+fi

@@ -23,9 +23,10 @@ MXFP4_BLOCK_K = 128  # inputs per step of an MXFP4 row: 64 bytes of codes, 4 sca
 # MX_SCALED hands codes and scales to Triton's `tl.dot_scaled` (bf16 activations only; others fall back
 # to MX_FLOAT), whose Hopper lowering upcasts e2m1 in the MMA operand's own register layout.
 MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED = 0, 1, 2, 3
-# The float path measured fastest on one H100 at 1, 16 and 256 tokens of the gpt-oss-20b experts
-# (1.27-1.36x the bit patterns; MX_GROUP 1.2x at 64 tokens): benchmarks/results/h100_gpt_oss_moe_sweep_20b.log.
-MX_DEFAULT = MX_FLOAT
+# dot_scaled measured fastest on one H100 at every size, gpt-oss-20b and -120b experts: 1.4x MX_FLOAT at
+# 1 token, 2.0-2.8x at 16-256 (benchmarks/results/h100_gpt_oss_moe_sweep_scaled_{20b,120b}.log; before it,
+# MX_FLOAT was 1.27-1.36x the bit patterns: h100_gpt_oss_moe_sweep_20b.log).
+MX_DEFAULT = MX_SCALED
 
 
 @triton.jit
