@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, overload
 
+from swaserve.structured_outputs import StructuredOutputs
+
 T = TypeVar("T")
 
 FinishReason = Literal["stop", "length"]
@@ -55,6 +57,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens; 1 disables
     presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
     frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    # The output must follow this (JSON schema, regex, choice, grammar); a dict is read as its fields.
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _check_number("temperature", self.temperature)
@@ -93,6 +97,8 @@ class SamplingParams:
             setattr(self, name, value)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

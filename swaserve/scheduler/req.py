@@ -60,6 +60,10 @@ class Req:
     last_appended: int = 0  # tokens the last committed step appended (several after a verify step)
     spec_drafted: int = 0  # speculative decoding: tokens drafted for this sequence
     spec_accepted: int = 0  # and accepted by the target
+    # Structured outputs: the sequence's grammar state (`grammar.SequenceGrammar`: `accept(token)`,
+    # `terminated`); None when unconstrained. Advanced by every appended token; the launcher masks
+    # each sampling row's logits with what it allows next.
+    grammar: Any = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -103,6 +107,11 @@ class Req:
                 self.output_logprobs = []
             self.output_logprobs.append(logprobs)
         p = self.params
+        if self.grammar is not None:
+            self.grammar.accept(token)
+            if self.grammar.terminated:  # the grammar accepted a stop token: the output is complete
+                self.finish_reason = "stop"
+                return
         if (not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids):
             self.finish_reason = "stop"  # the stop token stays in token_ids but adds no text
             return

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 def speculates(params: SamplingParams) -> bool:
     """Requests that get drafts: those whose next-token distribution `speculative.verify.accept`
     reproduces: greedy, or temperature alone (no top-k/top-p/min-p, penalties or logprobs; those
-    decode one token a step)."""
-    if params.logprobs is not None or params.uses_penalties:
+    decode one token a step). Constrained rows (structured outputs) decode one token a step too: their
+    drafts are not checked against the grammar."""
+    if params.logprobs is not None or params.uses_penalties or params.structured_outputs is not None:
         return False
     return params.is_greedy or (params.top_p >= 1.0 and params.top_k < 1 and params.min_p <= 0.0)
 
