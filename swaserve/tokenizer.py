@@ -174,7 +174,8 @@ class Tokenizer:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Render a conversation to the prompt text (which may already start with <bos>; `encode`
         does not add a second one). Content may be a str or a list of {"type": "text"} parts."""
         if self.chat_template is None:
@@ -185,7 +186,7 @@ class Tokenizer:
         try:
             text = self.hf.apply_chat_template(
                 conversation, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=False,
+                tokenize=False, tools=tools,
             )  # fmt: skip
         except TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
@@ -231,7 +232,10 @@ def _check_list(messages: Any) -> list[Any]:
     return messages
 
 
-def _check_message(m: Any, i: int) -> dict[str, str]:
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # kept for templates that render tool turns
+
+
+def _check_message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ValueError(f"messages[{i}] must be a dict with a string 'role'")  # noqa: TRY004
     content = m.get("content")
@@ -244,7 +248,7 @@ def _check_message(m: Any, i: int) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string or a list of text parts")  # noqa: TRY004
-    return {"role": m["role"], "content": content}
+    return {"role": m["role"], "content": content, **{k: m[k] for k in _TOOL_KEYS if m.get(k) is not None}}
 
 
 # -- GGUF conversion (once per distinct tokenizer) --------------------------------------------------

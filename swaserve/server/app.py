@@ -25,6 +25,7 @@ from swaserve.server.generation import Generation
 from swaserve.server.messages import SubRequest
 from swaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from swaserve.server.responses import Choices, dumps, stream_chunks
+from swaserve.server.tools import chat_constraints, check_structured
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -112,11 +113,13 @@ def create_app(
         req = await _parse(request, CompletionRequest, max_body_bytes)
         check_model(req.model)
         rid, n = f"cmpl-{uuid.uuid4().hex}", req.num_choices
+        constraint = (check_structured(req.structured_outputs, "structured_outputs")
+                      if req.structured_outputs is not None else None)
         subs = [
             SubRequest(
                 f"{rid}-{p * n + j}", p * n + j, prompt=prompt,
                 sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": req.max_tokens or 16,
-                          "logprobs": req.logprobs},
+                          "logprobs": req.logprobs, "structured_outputs": constraint},
                 token_strings=req.logprobs is not None, stream=bool(req.stream),
             )
             for p, prompt in enumerate(req.prompts)
@@ -137,13 +140,16 @@ def create_app(
         rid, messages = f"chatcmpl-{uuid.uuid4().hex}", [m.as_template_dict() for m in req.messages]
         logprobs = req.engine_logprobs
         split = client.splits_reasoning(req.separate_reasoning)
+        plan, constraint = chat_constraints(req)
         subs = [
             SubRequest(
                 f"{rid}-{j}", j, messages=messages,
                 sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": req.max_new_tokens,
-                          "logprobs": logprobs},
+                          "logprobs": logprobs, "structured_outputs": constraint},
                 token_strings=logprobs is not None, stream=bool(req.stream),
                 reasoning_effort=req.reasoning_effort, separate_reasoning=split,
+                tools=plan.prompt_tools if plan is not None else None,
+                tool_plan=plan if plan is not None and plan.mode != "none" else None,
             )
             for j in range(req.num_choices)
         ]

@@ -22,6 +22,8 @@ class SubRequest:
     stream: bool = True  # False: the route wants the whole completion, so one update at the end
     reasoning_effort: str | None = None  # chat, models with a reasoning format
     separate_reasoning: bool = False  # chat: the reply's reasoning goes to `Update.reasoning`, not `text`
+    tools: list[dict[str, Any]] | None = None  # chat: the functions the chat template is given
+    tool_plan: Any = None  # chat with tools (`server.tools.ToolPlan`): how the reply's tool calls are read
 
 
 @dataclass(slots=True)
@@ -40,4 +42,5 @@ class Update:
     cached_tokens: int | None = None  # with the first tokens: prompt tokens served from the prefix cache
     seed: int | None = None  # with the first tokens: the sampling seed in use
     spec: tuple[int, int] | None = None  # speculative decoding: (drafted, accepted) tokens so far
+    tool_calls: list[dict[str, Any]] | None = None  # chat with tools: new OpenAI streaming tool_calls entries
     error: APIError | None = None  # add refused, engine failure or shutdown; ends the sub-request

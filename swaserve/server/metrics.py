@@ -32,6 +32,12 @@ _ENGINE_GAUGES = (
      "Tokens proposed by the speculative drafter."),
     ("spec_accepted_tokens_total", "swaserve_spec_accepted_tokens_total", "counter",
      "Drafted tokens the target model accepted."),
+    ("grammar_cache_hits_total", "swaserve_grammar_cache_hits_total", "counter",
+     "Structured-output constraints served from the compiled-grammar cache."),
+    ("grammar_cache_misses_total", "swaserve_grammar_cache_misses_total", "counter",
+     "Structured-output constraints compiled (not in the cache)."),
+    ("grammar_compile_ms_total", "swaserve_grammar_compile_ms_total", "counter",
+     "Milliseconds spent compiling grammars."),
 )
 _POOL_GAUGES = (
     ("used", "swaserve_kv_used_tokens", "KV slots in use, per pool."),

@@ -116,7 +116,7 @@ def test_render(chat: HarmonyChat, tok: Tokenizer) -> None:
     assert chat.stop_token_ids == [200002, 200012]  # <|return|>, <|call|>; <|end|> is not one
     with pytest.raises(ValueError, match="reasoning_effort must be one of"):
         chat.prompt_ids(msgs, reasoning_effort="max")
-    with pytest.raises(ValueError, match="role 'tool' is not supported"):
+    with pytest.raises(ValueError, match="tool message needs the tool_call_id"):
         chat.prompt_ids([{"role": "tool", "content": "x"}])
 
 
