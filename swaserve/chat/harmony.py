@@ -163,6 +163,13 @@ class HarmonyReplyParser:
     def finish(self) -> ReplyDelta:
         if self._raw is not None:
             return self._raw.finish()
+        if self._before_message is None:
+            # The reply ended on a stop token the parser never sees (<|call|>, <|return|>): close the
+            # message in progress, so a tool call's message joins `messages`.
+            try:
+                self._parser.process_eos()
+            except self._chat._oh.HarmonyError as e:
+                logger.debug("harmony could not close the reply's last message (%s)", e)
         if self._before_message:  # no message ever began: the reply is not harmony, show it as written
             return ReplyDelta(content=self._chat.tokenizer.decode(self._before_message, skip_special_tokens=False))
         return ReplyDelta()  # harmony releases each character as soon as its bytes are complete
