@@ -48,6 +48,25 @@ def build_grammar(spec: StructuredOutputs) -> Any:
         raise ValueError(f"structured_outputs.{kind}: invalid {what}: {_reason(e)}") from None
 
 
+# xgrammar's vocabulary tables, one per (tokenizer, vocabulary size, stop ids) in this process: engines
+# over the same tokenizer (tests' twin engines, a draft model's) build it once. Keys hold the tokenizer.
+_VOCAB_TABLES: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+_VOCAB_LOCK = threading.Lock()
+
+
+def vocab_table(hf: Any, vocab_size: int, stop_ids: list[int]) -> Any:
+    """xgrammar's `TokenizerInfo` of an HF tokenizer for logits `vocab_size` wide (built once)."""
+    key = (id(hf), vocab_size, tuple(stop_ids))
+    with _VOCAB_LOCK:
+        entry = _VOCAB_TABLES.get(key)
+        if entry is None or entry[0] is not hf:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids or None)
+            entry = _VOCAB_TABLES[key] = (hf, info)
+        return entry[1]
+
+
 def check_constraint(spec: StructuredOutputs | dict[str, Any]) -> StructuredOutputs:
     """`spec` as a StructuredOutputs whose grammar parses (cheap: no vocabulary); ValueError otherwise."""
     spec = StructuredOutputs.coerce(spec)
@@ -59,7 +78,7 @@ class GrammarCompiler:
     """Compiles constraints for one model's vocabulary and keeps the last `cache_size` compiled grammars
     (least recently used go first; compiled grammars are immutable and shared by every sequence that
     uses them). xgrammar's vocabulary table (`TokenizerInfo`, ~3 s for Gemma's 262k tokens on a CPU) is
-    built on the first compile, not at start. Thread-safe.
+    built on the first compile, not at start (once per tokenizer in a process). Thread-safe.
 
     `vocab_size` is the model's (the logits' width, which may exceed the tokenizer's); `stop_ids` the
     tokens that end a sequence (the grammar allows them where it may end)."""
@@ -85,8 +104,7 @@ class GrammarCompiler:
             import xgrammar as xgr
 
             t0 = time.perf_counter()
-            info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_ids or None)
+            info = vocab_table(self._hf, self.vocab_size, self.stop_ids)
             # Our own LRU is the cache (bounded by entries, with counters); xgrammar's is off.
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             self.vocab_seconds = time.perf_counter() - t0
