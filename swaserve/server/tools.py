@@ -36,9 +36,11 @@ class ToolPlan:
         """The `structured_outputs` that forces the reply to be the calls ("required", "named"): for a
         named function its arguments object; for "required" a JSON array of {name, arguments} objects
         (one of the functions each; exactly one without parallel calls)."""
+        # Compact JSON (no free whitespace): arguments are read by programs, and a small model given
+        # free whitespace may write nothing else.
         if self.mode == "named":
             fn = next(f for f in self.functions if f["name"] == self.name)
-            return {"json": fn.get("parameters") or {"type": "object"}}
+            return {"json": fn.get("parameters") or {"type": "object"}, "disable_any_whitespace": True}
         if self.mode != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
@@ -47,7 +49,7 @@ class ToolPlan:
         schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
-        return {"json": schema}
+        return {"json": schema, "disable_any_whitespace": True}
 
 
 def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
