@@ -68,18 +68,8 @@ def test_parse_with_a_pydantic_model(server: LiveServer) -> None:
     assert isinstance(r.choices[0].message.parsed, Person) and r.choices[0].finish_reason == "stop"
 
 
-def test_named_tool_call(server: LiveServer) -> None:
-    r = chat(server, "What is the weather in Oslo?", tools=TOOLS, max_tokens=24,
-             tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and not msg.content and len(msg.tool_calls) == 1
-    call = msg.tool_calls[0]
-    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
-    Weather.model_validate_json(call.function.arguments)
-
-
 def test_required_tool_calls_n2(server: LiveServer) -> None:
-    r = chat(server, "Add 2 and 3.", tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=32,
+    r = chat(server, "Add 2 and 3.", tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=24,
              n=2, temperature=0.8, seed=7)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
@@ -95,7 +85,7 @@ def test_streamed_tool_call_deltas(server: LiveServer) -> None:
         c = chunk.choices[0]
         deltas += c.delta.tool_calls or []
         finish = c.finish_reason or finish
-    assert finish == "tool_calls" and deltas[0].id and deltas[0].function.name == "get_weather"
+    assert finish == "tool_calls" and deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
     assert len(deltas) > 2 and all(d.index == 0 and d.id is None for d in deltas[1:])  # arguments as they come
     Weather.model_validate_json("".join(d.function.arguments or "" for d in deltas))
 
@@ -111,7 +101,7 @@ def test_tool_turns_and_auto(server: LiveServer) -> None:
 
 
 def test_json_object_and_completion_constraints(server: LiveServer) -> None:
-    r = chat(server, "Reply with an empty JSON object.", response_format={"type": "json_object"}, max_tokens=24)
+    r = chat(server, "Reply with an empty JSON object.", response_format={"type": "json_object"}, max_tokens=10)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:  # a base model may go on inside the object: what it wrote is still a JSON object's beginning

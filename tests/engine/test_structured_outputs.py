@@ -82,7 +82,8 @@ def test_grammar_end_finishes_even_with_ignore_eos(llm):
 
 
 def short_workload() -> list[tuple[str, object, SamplingParams]]:
-    return [w for w in constrained_workload() if w[0] != "json"] + [
+    return [w for w in constrained_workload() if w[0] in ("choice-n", "grammar")] + [
+        ("free", "Once upon a time", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
         ("json-short", "Data:", SamplingParams(temperature=0, max_tokens=12, structured_outputs={
             "json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
             "disable_any_whitespace": True}))]
