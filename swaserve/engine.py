@@ -11,8 +11,8 @@ import torch
 
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
-from swaserve.grammar import GrammarCompiler, SequenceGrammar
 from swaserve.engine_setup import default_overlap, load_engine_model, resolve_device_dtype
+from swaserve.grammar import GrammarCompiler, SequenceGrammar
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams

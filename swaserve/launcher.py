@@ -15,8 +15,8 @@ import torch
 from swaserve.grammar import fill_token_masks
 from swaserve.h2d import to_device
 from swaserve.runner.sampler import Sampler, SamplerOutput
-from swaserve.runner.token_mask import apply_token_bitmask
 from swaserve.runner.sampling_batch import SamplingBatch, distinct_params, is_plain_greedy
+from swaserve.runner.token_mask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from swaserve.distributed.lead import StepLead
