@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 from families import make_hf_model
-from test_decode_graph_padding import make_runtime
+from test_decode_graph_padding import make_runtime, poison_pools
 
 import swaserve.launcher as launcher_mod
 from swaserve.grammar import SequenceGrammar
 from swaserve.launcher import StepLauncher
 from swaserve.request import SamplingParams
+from swaserve.runner.cpu_graph import CpuGraphRunner
 from swaserve.scheduler.req import Req
 
 LETTERS = {10 + i: chr(ord("a") + i) for i in range(10)}  # ids 10..19 spell a..j; the rest are long tokens
@@ -50,7 +51,9 @@ def run(rt, compiled, masked_rows: list[int]) -> dict[str, list[int]]:
 
 def test_masks_on_padded_graph_decode(tmp_path, monkeypatch):
     make_hf_model("gemma3", tmp_path, seed=3)
-    eager, graph = make_runtime(tmp_path, False, "eager"), make_runtime(tmp_path, True, "eager")
+    eager, graph = make_runtime(tmp_path, False, "eager"), make_runtime(tmp_path, False, "eager")
+    graph.runner.graph_runner = CpuGraphRunner(graph.runner, 4, compile_backend="eager")  # sizes 1, 2, 4
+    poison_pools(graph)
     vocab = graph.runner.model_config.vocab_size
     compiled = compiled_regex(vocab, "[a-e]{2,6}")
     shapes: list[tuple[int, int]] = []
