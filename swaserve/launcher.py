@@ -135,7 +135,9 @@ class StepLauncher:
         distinct = distinct_params(params)
         # Structured outputs: allowed-token bitmasks of the constrained rows (None: no row is). Rows
         # with masks need the logits, so they skip the LM head's own greedy/sampling kernels.
-        masks = fill_token_masks([None if r.finished else r.grammar for r in reqs], self.vocab_size)
+        masks = None
+        if any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
+            masks = fill_token_masks([None if r.finished else r.grammar for r in reqs], self.vocab_size)
         if masks is None and is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
             return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
         sb = self._sampling_batch(reqs, params, distinct, rows)
