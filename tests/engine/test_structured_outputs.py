@@ -96,3 +96,79 @@ def test_same_tokens_with_overlap_and_in_deterministic_mode(llm):
         other = run_all(twin_engine(llm, **options), short_workload())
         for rid, out in plain.items():
             assert [c.token_ids for c in other[rid].outputs] == [c.token_ids for c in out.outputs], (rid, options)
+
+
+# -- with the other request options (logit_bias, prompt logprobs, speculative decoding) ------------------
+
+
+def _first_token(llm, text: str) -> int:
+    return llm.tokenizer.encode(text, add_special_tokens=False)[0]
+
+
+def test_logit_bias_cannot_revive_a_masked_token(llm):
+    """The mask comes first (-inf), the bias is added after: +100 on a token the grammar forbids changes
+    nothing, +100 on an allowed one picks it."""
+    def pick(bias: dict[int, float] | None) -> str:
+        params = SamplingParams(temperature=0, max_tokens=4, logit_bias=bias,
+                                structured_outputs={"choice": ["red", "blue"]})
+        out = llm.generate("The sky is", params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop"
+        return out.text
+
+    plain = pick(None)
+    other = "blue" if plain == "red" else "red"
+    assert pick({_first_token(llm, "green"): 100.0, _first_token(llm, " The"): 100.0}) == plain
+    assert pick({_first_token(llm, other): 100.0}) == other
+
+
+def test_prompt_logprobs_beside_a_deferred_constrained_step(llm):
+    """Overlap: a prefill that scores prompt logprobs shares a step with a constrained row whose sampling
+    waits for the previous step's commit; the scores are the model's own (no mask on the prompt), equal to a
+    plain engine's, and the constrained row's tokens are the plain engine's."""
+    schema = {"json": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 30}},
+                       "required": ["word"]}, "disable_any_whitespace": True}
+    scored = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1,
+                            structured_outputs={"choice": ["yes", "no"]})
+    prompt = "Is the river town old? Answer:"
+
+    def run(overlap: bool) -> tuple[dict, list[bool]]:
+        e = twin_engine(llm, overlap)
+        deferred_with_scores: list[bool] = []
+        launch = e.launcher.launch
+
+        def spy(batch):
+            step = launch(batch)
+            deferred_with_scores.append(step.deferred is not None and step.prompt is not None)
+            return step
+
+        e.launcher.launch = spy
+        e.add_request("json", "A word as JSON:", SamplingParams(temperature=0, max_tokens=16, structured_outputs=schema))
+        for _ in range(3):  # the constrained request decodes before the scored one arrives
+            e.step()
+        done = run_all(e, [("scored", prompt, scored)])
+        return done, deferred_with_scores
+
+    plain, _ = run(False)
+    overlapped, seen = run(True)
+    assert any(seen), "no deferred step carried prompt scores"
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+    for out in (plain["scored"], overlapped["scored"]):
+        assert out.outputs[0].text in ("yes", "no") and out.prompt_logprobs[0] is None
+        assert max(abs(out.prompt_logprobs[j][ids[j]] - ref.prompt_logprobs[j][ids[j]]) for j in range(1, len(ids))) < 1e-4
+    assert overlapped["scored"].outputs[0].token_ids == plain["scored"].outputs[0].token_ids
+
+
+def test_constrained_rows_do_not_speculate(llm):
+    """n-gram speculation: an unconstrained repeating request drafts; a constrained one beside it gets no
+    drafts (one token a step, sampled under its mask) and the plain engine's tokens."""
+    e = twin_engine(llm, False, speculative_method="ngram")
+    rep = "a b c a b c a b c a b c a b c a b c"
+    work = [("rep", rep, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+            ("grammar", "Count:", SamplingParams(temperature=0, max_tokens=8,
+                                                 structured_outputs={"grammar": 'root ::= ("one" | "two") " " [0-9]'}))]
+    done = run_all(e, work)
+    plain = run_all(twin_engine(llm, False), work[1:])
+    assert done["rep"].spec_draft_tokens > 0 and done["grammar"].spec_draft_tokens == 0
+    assert re.fullmatch(r"(one|two) [0-9]", done["grammar"].outputs[0].text)
+    assert done["grammar"].outputs[0].token_ids == plain["grammar"].outputs[0].token_ids
