@@ -1,9 +1,10 @@
 """Structured outputs and tool calls through the official `openai` client against a live server on the
 embedded Gemma 3 270M (CPU; a base model, given a small Gemma-style chat template, so tools go through the
-fallback tool prompt): `beta.chat.completions.parse` with a pydantic model, named and required tool calls
-whose arguments validate against their schemas (whole and streamed as deltas), json_object, regex and
-choice on completions, n > 1, tool turns in the conversation, and an invalid schema answered 400 while
-another stream goes on."""
+fallback tool prompt): `beta.chat.completions.parse` with a pydantic model (with logprobs and
+prompt_logprobs beside the constraint), named and required tool calls whose arguments validate against
+their schemas (whole and streamed as deltas), json_object, regex and choice on completions (echo with
+logprobs, logit_bias inside the constraint), n > 1, tool turns in the conversation, and an invalid schema
+answered 400 while another stream goes on. One server for the module; few, short requests."""
 
 from __future__ import annotations
 
@@ -61,11 +62,17 @@ def chat(server: LiveServer, content: str, **kw):
                                                    **kw)
 
 
-def test_parse_with_a_pydantic_model(server: LiveServer) -> None:
+def test_parse_with_a_pydantic_model_and_prompt_logprobs(server: LiveServer) -> None:
     r = server.client(timeout=300).beta.chat.completions.parse(
         model=server.model, messages=[{"role": "user", "content": "A person, as JSON."}], response_format=Person,
-        max_tokens=24, temperature=0)
-    assert isinstance(r.choices[0].message.parsed, Person) and r.choices[0].finish_reason == "stop"
+        max_tokens=24, temperature=0, logprobs=True, extra_body={"prompt_logprobs": 1})
+    choice = r.choices[0]
+    assert isinstance(choice.message.parsed, Person) and choice.finish_reason == "stop"
+    # The output's logprobs are those of the constrained tokens; the prompt's are scored as usual.
+    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+    prompt_lps = r.model_extra["prompt_logprobs"]
+    assert len(prompt_lps) == r.usage.prompt_tokens and prompt_lps[0] is None
+    assert all(any(v["rank"] >= 1 and v["logprob"] <= 0 for v in p.values()) for p in prompt_lps[1:])
 
 
 def test_required_tool_calls_n2(server: LiveServer) -> None:
@@ -107,9 +114,22 @@ def test_json_object_and_completion_constraints(server: LiveServer) -> None:
     else:  # a base model may go on inside the object: what it wrote is still a JSON object's beginning
         assert r.choices[0].message.content.lstrip().startswith("{")
     c = server.client(timeout=300)
-    r = c.completions.create(model=server.model, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
-                             extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    prompt, choices = "Is the sky blue? Answer:", ["yes", "no"]
+    r = c.completions.create(model=server.model, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=1,
+                             extra_body={"structured_outputs": {"choice": choices}})
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text.startswith(prompt) and text[len(prompt):] in choices and r.choices[0].finish_reason == "stop"
+    # The echoed prompt's tokens (the first one's logprob null), then the answer's (the stop token last).
+    n = r.usage.prompt_tokens
+    assert len(lp.tokens) == n + r.usage.completion_tokens and lp.token_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and "".join(lp.tokens[n:]).startswith(text[len(prompt):])
+    # logit_bias acts inside the constraint: +100 on the other answer's first token picks it.
+    other = "no" if text.endswith("yes") else "yes"
+    first = server.client_state.tokenizer.encode(other, add_special_tokens=False)[0]
+    r = c.completions.create(model=server.model, prompt=prompt, max_tokens=5, temperature=0,
+                             logit_bias={str(first): 100},
+                             extra_body={"structured_outputs": {"choice": choices}})
+    assert r.choices[0].text == other and r.choices[0].finish_reason == "stop"
     r = c.completions.create(model=server.model, prompt="An email address:", max_tokens=16, temperature=0,
                              extra_body={"structured_outputs": {"regex": r"[a-z]{2,6}@[a-z]{2,6}\.com"}})
     assert re.fullmatch(r"[a-z]{2,6}@[a-z]{2,6}\.com", r.choices[0].text)
