@@ -123,40 +123,33 @@ def test_logit_bias_cannot_revive_a_masked_token(llm):
 
 def test_prompt_logprobs_beside_a_deferred_constrained_step(llm):
     """Overlap: a prefill that scores prompt logprobs shares a step with a constrained row whose sampling
-    waits for the previous step's commit; the scores are the model's own (no mask on the prompt), equal to a
-    plain engine's, and the constrained row's tokens are the plain engine's."""
+    waits for the previous step's commit; the scores are the model's own (no mask on the prompt), equal to
+    the session engine's (no overlap), and so are the constrained tokens."""
     schema = {"json": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 30}},
                        "required": ["word"]}, "disable_any_whitespace": True}
     scored = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1,
                             structured_outputs={"choice": ["yes", "no"]})
     prompt = "Is the river town old? Answer:"
+    e = twin_engine(llm, True)
+    deferred_with_scores: list[bool] = []
+    launch = e.launcher.launch
 
-    def run(overlap: bool) -> tuple[dict, list[bool]]:
-        e = twin_engine(llm, overlap)
-        deferred_with_scores: list[bool] = []
-        launch = e.launcher.launch
+    def spy(batch):
+        step = launch(batch)
+        deferred_with_scores.append(step.deferred is not None and step.prompt is not None)
+        return step
 
-        def spy(batch):
-            step = launch(batch)
-            deferred_with_scores.append(step.deferred is not None and step.prompt is not None)
-            return step
-
-        e.launcher.launch = spy
-        e.add_request("json", "A word as JSON:", SamplingParams(temperature=0, max_tokens=16, structured_outputs=schema))
-        for _ in range(3):  # the constrained request decodes before the scored one arrives
-            e.step()
-        done = run_all(e, [("scored", prompt, scored)])
-        return done, deferred_with_scores
-
-    plain, _ = run(False)
-    overlapped, seen = run(True)
-    assert any(seen), "no deferred step carried prompt scores"
-    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    e.launcher.launch = spy
+    e.add_request("json", "A word as JSON:", SamplingParams(temperature=0, max_tokens=16, structured_outputs=schema))
+    for _ in range(3):  # the constrained request decodes before the scored one arrives
+        e.step()
+    got = run_all(e, [("scored", prompt, scored)])["scored"]
+    assert any(deferred_with_scores), "no deferred step carried prompt scores"
+    ref = llm.generate(prompt, scored, use_tqdm=False)[0]
     ids = ref.prompt_token_ids
-    for out in (plain["scored"], overlapped["scored"]):
-        assert out.outputs[0].text in ("yes", "no") and out.prompt_logprobs[0] is None
-        assert max(abs(out.prompt_logprobs[j][ids[j]] - ref.prompt_logprobs[j][ids[j]]) for j in range(1, len(ids))) < 1e-4
-    assert overlapped["scored"].outputs[0].token_ids == plain["scored"].outputs[0].token_ids
+    assert got.outputs[0].text in ("yes", "no") and got.prompt_logprobs[0] is None
+    assert max(abs(got.prompt_logprobs[j][ids[j]] - ref.prompt_logprobs[j][ids[j]]) for j in range(1, len(ids))) < 1e-4
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 def test_constrained_rows_do_not_speculate(llm):
