@@ -258,6 +258,8 @@ class RunnerConfig:
         aliases=("--disable-overlap-schedule",))
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant kernels: a request gets the same tokens alone or in any batch (costs some speed)")
+    grammar_cache_size: int = _opt(
+        128, "compiled grammars kept for structured outputs and forced tool calls (least recently used go first)")
 
 
 @dataclass(frozen=True)

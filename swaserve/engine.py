@@ -14,6 +14,7 @@ from typing_extensions import Self
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
+from swaserve.grammar import GrammarCompiler, SequenceGrammar
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
@@ -149,6 +150,8 @@ class Engine:
                 self.tp.close()
             raise
         self.stats = EngineStats()
+        self.grammars: GrammarCompiler | None = None  # structured outputs: made on the first constrained request
+        self._grammar_cache_size = runner_cfg.grammar_cache_size
         self.closed = False
         # Holds the attribute dict, not the engine: dropping the engine runs it (`release_engine`).
         self._release = weakref.finalize(self, release_engine, self.__dict__, self.device)
@@ -172,12 +175,16 @@ class Engine:
         if self.runner.deterministic and params.seed is None and not params.is_greedy:
             # Deterministic mode: every draw is reproducible; the seed is reported for a resend.
             params = dataclasses.replace(params, seed=secrets.randbits(63))
+        compiled = self._compile_constraint(params) if params.structured_outputs is not None else None
         group = _Group(text, ids, seed=params.seed)
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None and self.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
-            group.reqs.append(Req(f"{request_id}#{i}", request_id, i, len(ids), list(ids), params, 0, self.eos_ids, detok))
+            req = Req(f"{request_id}#{i}", request_id, i, len(ids), list(ids), params, 0, self.eos_ids, detok)
+            if compiled is not None:
+                req.grammar = SequenceGrammar(compiled, sorted(self.eos_ids | set(params.stop_token_ids or ())))
+            group.reqs.append(req)
         for r in group.reqs:
             self.scheduler.add(r)
         self._groups[request_id] = group
@@ -190,6 +197,18 @@ class Engine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:5]}")
         if params.prompt_logprobs is not None and self.tp is not None:
             raise ValueError("prompt_logprobs (and echo with logprobs) are not supported with tensor parallelism")
+
+    def _compile_constraint(self, params: SamplingParams) -> Any:
+        """The compiled grammar of `params.structured_outputs` (cached); ValueError when it does not parse.
+        Compiling runs here, in the engine's thread: a new schema holds the step loop for its compile time
+        (tens of ms; `grammar_compile_ms_total`), a cached one costs a lookup."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids),
+                                            self._grammar_cache_size)
+        assert params.structured_outputs is not None
+        return self.grammars.compile(params.structured_outputs)  # type: ignore[arg-type]
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -293,6 +312,10 @@ class Engine:
             step.prompt.record()
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
         self.stats.retractions_total = self.scheduler.retractions_total
+        if self._inflight is not None and self._inflight.deferred is not None:
+            # Overlap with constrained rows: the next step's model is running; its masks need the
+            # tokens just committed, so it samples now.
+            self.launcher.sample_deferred(self._inflight)
         for r in progressed:
             if r.finish_reason is not None and r.detok is not None and not r.detok.stopped:
                 r.detok.flush()
@@ -349,7 +372,8 @@ class Engine:
                 "prefix_cache_hit_tokens_total": hit, "prefix_cache_miss_tokens_total": query - hit,
                 "spec_draft_tokens_total": spec.drafted_total if spec is not None else 0,
                 "spec_accepted_tokens_total": spec.accepted_total if spec is not None else 0,
-                "prompt_logprob_tokens_total": self.launcher.prompt_tokens_scored}
+                "prompt_logprob_tokens_total": self.launcher.prompt_tokens_scored,
+                **(self.grammars.counters() if self.grammars is not None else GrammarCompiler.idle_counters())}
 
     def startup_line(self) -> str:
         """The values chosen for the options left unset and why, and the KV pools: one line."""

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swaserve.grammar import fill_token_masks
 from swaserve.h2d import to_device
 from swaserve.prompt_scores import PromptScores, plan_prompt
 from swaserve.runner.sampler import Sampler, SamplerOutput
 from swaserve.runner.sampling_batch import SamplingBatch, distinct_params, is_plain_greedy
+from swaserve.runner.token_mask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from swaserve.distributed.lead import StepLead
@@ -27,7 +29,9 @@ if TYPE_CHECKING:
 @dataclass
 class LaunchedStep:
     """A step on its way through the device. `reqs` are the requests that sample, in the order of
-    `batch.sample_indices()`; `out` holds host tensors that are valid once `ready` has fired."""
+    `batch.sample_indices()`; `out` holds host tensors that are valid once `ready` has fired.
+    `deferred`: the model ran but sampling waits (hidden states, request rows) until the host has seen
+    the tokens a constrained row's mask depends on (`StepLauncher.sample_deferred`)."""
 
     batch: ScheduleBatch
     reqs: list[Req]
@@ -35,9 +39,11 @@ class LaunchedStep:
     out: SamplerOutput | None  # on the host (pinned on CUDA); None when no row samples
     ready: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
     prompt: PromptScores | None = None  # prompt logprobs scored in this step (record after `wait`)
+    deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, hidden], [n] int64 rows), device
 
     def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Block until the step is done; its sampled tokens and, if any row asked, logprobs."""
+        assert self.deferred is None, "a deferred step samples (StepLauncher.sample_deferred) before wait()"
         if self.ready is not None:
             self.ready.synchronize()
         if self.out is None:
@@ -93,14 +99,27 @@ class StepLauncher:
         if len(idx) != len(batch.reqs):
             sel = to_device(torch.tensor(idx), self.device)
             hidden, rows = hidden[sel], rows[sel]
-        out, asked = self.sample(hidden, reqs, rows)
+        step = LaunchedStep(batch, reqs, None, None, None, prompt, deferred=(hidden, rows))
+        # Overlap: a constrained row's mask needs the token its previous step (still in flight) picks.
+        # The model runs now; the engine samples once it has committed that step.
+        if not any(r.grammar is not None and r.inflight > 1 for r in reqs):
+            self.sample_deferred(step)
+        return step
+
+    def sample_deferred(self, step: LaunchedStep) -> None:
+        """Sample a launched step's rows (the masks of constrained rows computed now, on the host, while
+        the device runs the model), record the tokens and start their copy to the host."""
+        assert step.deferred is not None
+        (hidden, rows), step.deferred = step.deferred, None
+        out, step.asked = self.sample(hidden, step.reqs, rows)
         if self.lead is not None:
             self.lead.share(out.next_token_ids)
         self.runner.record_sampled(rows, out.next_token_ids)
         if self.device.type != "cuda":
-            return LaunchedStep(batch, reqs, asked, out, None, prompt)
-        host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None for t in out))
-        return LaunchedStep(batch, reqs, asked, host, self._event(), prompt)
+            step.out = out
+            return
+        step.out = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None for t in out))
+        step.ready = self._event()
 
     def _event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":
@@ -137,16 +156,25 @@ class StepLauncher:
         sampling parameters; and each row's `logprobs` setting where any row asked for them."""
         params = [r.params for r in reqs]
         distinct = distinct_params(params)
-        if is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
+        # Structured outputs: allowed-token bitmasks of the constrained rows (None: no row is). Rows
+        # with masks need the logits, so they skip the LM head's own greedy/sampling kernels.
+        masks = None
+        if any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
+            masks = fill_token_masks([None if r.finished else r.grammar for r in reqs], self.vocab_size)
+        if masks is None and is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
             return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
         sb = self._sampling_batch(reqs, params, distinct, rows)
         # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
         # goes through the Sampler, so a row's path does not depend on its neighbours' settings;
         # nor under tensor parallelism, where the head's logits are gathered first).
-        if sb.inv_temperatures is not None and not self.runner.deterministic and self.lead is None:
+        if (masks is None and sb.inv_temperatures is not None and not self.runner.deterministic
+                and self.lead is None):
             out = SamplerOutput(self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds), None, None, None)
         else:
-            out = self.sampler(self.runner.logits(hidden), sb)
+            logits = self.runner.logits(hidden)
+            if masks is not None:
+                apply_token_bitmask(logits, to_device(masks, self.device))
+            out = self.sampler(logits, sb)
         return out, ([p.logprobs for p in params] if sb.max_num_logprobs is not None else None)
 
     def _sampling_batch(self, reqs: list[Req], params: list, distinct: list, rows: torch.Tensor) -> SamplingBatch:

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, overload
 
+from swaserve.structured_outputs import StructuredOutputs
+
 T = TypeVar("T")
 
 FinishReason = Literal["stop", "length"]
@@ -60,6 +62,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM semantics: None, or k: each prompt token's logprob (after the first) plus the top-k at its position.
     prompt_logprobs: int | None = None
+    # The output must follow this (JSON schema, regex, choice, grammar); a dict is read as its fields.
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _check_number("temperature", self.temperature)
@@ -103,6 +107,8 @@ class SamplingParams:
                 raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

@@ -180,7 +180,8 @@ class Tokenizer:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
+                            template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Render a conversation to the prompt text (which may already start with <bos>; `encode`
         does not add a second one). Content may be a str or a list of {"type": "text"} parts.
         `template_kwargs`: extra template variables (e.g. `enable_thinking`), never the rendering's own."""
@@ -196,7 +197,7 @@ class Tokenizer:
         try:
             text = self.hf.apply_chat_template(
                 conversation, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=False, **extra,
+                tokenize=False, tools=tools, **extra,
             )  # fmt: skip
         except TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
@@ -242,7 +243,10 @@ def _check_list(messages: Any) -> list[Any]:
     return messages
 
 
-def _check_message(m: Any, i: int) -> dict[str, str]:
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # kept for templates that render tool turns
+
+
+def _check_message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ValueError(f"messages[{i}] must be a dict with a string 'role'")  # noqa: TRY004
     content = m.get("content")
@@ -255,7 +259,7 @@ def _check_message(m: Any, i: int) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string or a list of text parts")  # noqa: TRY004
-    return {"role": m["role"], "content": content}
+    return {"role": m["role"], "content": content, **{k: m[k] for k in _TOOL_KEYS if m.get(k) is not None}}
 
 
 # -- GGUF conversion (once per distinct tokenizer) --------------------------------------------------

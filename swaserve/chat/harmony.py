@@ -4,6 +4,7 @@ parsed by channel (analysis -> reasoning, final -> content), the assistant's sto
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -56,8 +57,9 @@ class HarmonyChat:
         self.stop_token_ids: list[int] = sorted(self.encoding.stop_tokens_for_assistant_actions())  # a set
         self.today = today  # the system message's date (tests fix it)
 
-    def prompt_ids(self, messages: list[dict[str, str]], reasoning_effort: str | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]], reasoning_effort: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
         if template_kwargs:
             raise ValueError("chat_template_kwargs do not apply to GPT-OSS: its prompt is rendered by harmony")
         oh = self._oh
@@ -67,23 +69,55 @@ class HarmonyChat:
         system = (oh.SystemContent.new().with_reasoning_effort(oh.ReasoningEffort(effort.capitalize()))
                   .with_conversation_start_date(self.today().isoformat()))
         conversation = [oh.Message.from_role_and_content(oh.Role.SYSTEM, system)]
+        instructions = "\n\n".join(m["content"] for m in messages if m["role"] in ("system", "developer") and m["content"])
+        if instructions or tools:  # the tools are declared in the developer message (as `functions.<name>`)
+            developer = oh.DeveloperContent.new()
+            if instructions:
+                developer = developer.with_instructions(instructions)
+            if tools:
+                developer = developer.with_function_tools([
+                    oh.ToolDescription.new(t["function"]["name"], t["function"].get("description", ""),
+                                           parameters=t["function"].get("parameters"))
+                    for t in tools])
+            conversation.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer))
+        called: dict[str, str] = {}  # tool call id -> function name, for the tool messages answering them
         for i, m in enumerate(messages):
             role, content = m["role"], m["content"]
             if role in ("system", "developer"):
-                if content:
-                    instructions = oh.DeveloperContent.new().with_instructions(content)
-                    conversation.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, instructions))
-            elif role == "user":
+                continue
+            if role == "user":
                 conversation.append(oh.Message.from_role_and_content(oh.Role.USER, content))
+            elif role == "assistant" and m.get("tool_calls"):
+                if content:  # a preamble to the calls
+                    conversation.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, content)
+                                        .with_channel("commentary"))
+                for call in m["tool_calls"]:
+                    fn = call["function"]
+                    called[call.get("id", "")] = fn["name"]
+                    args = fn.get("arguments")
+                    conversation.append(
+                        oh.Message.from_role_and_content(oh.Role.ASSISTANT, args if isinstance(args, str) else
+                                                         json.dumps(args or {}))
+                        .with_channel("commentary").with_recipient(f"functions.{fn['name']}")
+                        .with_content_type("<|constrain|>json"))
             elif role == "assistant":
                 conversation.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, content).with_channel("final"))
+            elif role == "tool":
+                name = m.get("name") or called.get(m.get("tool_call_id") or "")
+                if not name:
+                    raise ValueError(f"messages[{i}]: a tool message needs the tool_call_id of an earlier call")
+                author = oh.Author.new(oh.Role.TOOL, f"functions.{name}")
+                conversation.append(oh.Message.from_author_and_content(author, content).with_channel("commentary")
+                                    .with_recipient("assistant"))
             else:
                 raise ValueError(f"messages[{i}]: role {role!r} is not supported in GPT-OSS chat")
         convo = oh.Conversation.from_messages(conversation)
         return list(self.encoding.render_conversation_for_completion(convo, oh.Role.ASSISTANT))
 
-    def reply_parser(self, separate_reasoning: bool = True, prompt_ids: list[int] | None = None) -> ReplyParser:
-        """A parser for one reply; `separate_reasoning=False`: the raw reply, channels and all, as content."""
+    def reply_parser(self, separate_reasoning: bool = True, prompt_ids: list[int] | None = None,
+                     tool_markers: bool = False) -> ReplyParser:
+        """A parser for one reply; `separate_reasoning=False`: the raw reply, channels and all, as content.
+        (`tool_markers` changes nothing: harmony's parser keeps the calls as messages.)"""
         return HarmonyReplyParser(self) if separate_reasoning else RawReply(self.tokenizer)
 
 
@@ -134,6 +168,13 @@ class HarmonyReplyParser:
     def finish(self) -> ReplyDelta:
         if self._raw is not None:
             return self._raw.finish()
+        if self._before_message is None:
+            # The reply ended on a stop token the parser never sees (<|call|>, <|return|>): close the
+            # message in progress, so a tool call's message joins `messages`.
+            try:
+                self._parser.process_eos()
+            except self._chat._oh.HarmonyError as e:
+                logger.debug("harmony could not close the reply's last message (%s)", e)
         if self._before_message:  # no message ever began: the reply is not harmony, show it as written
             return ReplyDelta(content=self._chat.tokenizer.decode(self._before_message, skip_special_tokens=False))
         return ReplyDelta()  # harmony releases each character as soon as its bytes are complete

@@ -62,10 +62,14 @@ class ThinkingReplyParser:
     (special tokens skipped, the tokens before it as decoding context), flushed when a marker ends it, so
     no character straddles reasoning and content. A marker out of place (an end outside a block, a start
     inside one) is dropped; a reply that never closes its block ends as reasoning (`finish_reason`
-    length, typically), as vLLM's parsers report it."""
+    length, typically), as vLLM's parsers report it. `content_specials` (a request with tools): content
+    runs keep special tokens (Gemma 4's `<|tool_call>`, its `<|"|>` quotes), which the tool-call parser
+    reads from the content; the reasoning still skips them."""
 
-    def __init__(self, tokenizer: Any, fmt: ThinkingFormat, start_id: int, end_id: int, inside: bool = False):
+    def __init__(self, tokenizer: Any, fmt: ThinkingFormat, start_id: int, end_id: int, inside: bool = False,
+                 content_specials: bool = False):
         self._tokenizer, self._fmt = tokenizer, fmt
+        self._content_specials = content_specials
         self._start_id, self._end_id = start_id, end_id
         self._inside = inside
         self._ids: list[int] = []  # every token so far: decoding context for the next run
@@ -74,7 +78,8 @@ class ThinkingReplyParser:
         self._held = ""
 
     def _run(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self._tokenizer, self._ids[-8:])
+        keep = self._content_specials and not self._inside
+        return IncrementalDetokenizer(self._tokenizer, self._ids[-8:], skip_special_tokens=not keep)
 
     def feed(self, token_ids: list[int]) -> ReplyDelta:
         reasoning, content = [], []

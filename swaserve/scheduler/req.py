@@ -65,6 +65,10 @@ class Req:
     prompt_scored: int = 0
     prompt_lps: list[dict[int, float]] | None = None
     prompt_ranks: list[int] | None = None
+    # Structured outputs: the sequence's grammar state (`grammar.SequenceGrammar`: `accept(token)`,
+    # `terminated`); None when unconstrained. Advanced by every appended token; the launcher masks
+    # each sampling row's logits with what it allows next.
+    grammar: Any = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -114,6 +118,11 @@ class Req:
                 self.output_logprobs = []
             self.output_logprobs.append(logprobs)
         p = self.params
+        if self.grammar is not None:
+            self.grammar.accept(token)
+            if self.grammar.terminated:  # the grammar accepted a stop token: the output is complete
+                self.finish_reason = "stop"
+                return
         if (not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids):
             self.finish_reason = "stop"  # the stop token stays in token_ids but adds no text
             return

@@ -27,8 +27,10 @@ def speculates(params: SamplingParams) -> bool:
     """Requests that get drafts: those whose next-token distribution `speculative.verify.accept`
     reproduces: greedy, or temperature alone (no top-k/top-p/min-p, penalties or logprobs; those
     decode one token a step; so do rows with a logit_bias, whose verify would have to bias every drafted
-    position's logits)."""
-    if params.logprobs is not None or params.uses_penalties or params.logit_bias:
+    position's logits). Constrained rows (structured outputs) decode one token a step too: their drafts
+    are not checked against the grammar."""
+    if (params.logprobs is not None or params.uses_penalties or params.logit_bias
+            or params.structured_outputs is not None):
         return False
     return params.is_greedy or (params.top_p >= 1.0 and params.top_k < 1 and params.min_p <= 0.0)
 

@@ -26,6 +26,7 @@ from swaserve.server.messages import SubRequest
 from swaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from swaserve.server.responses import Choices, dumps, stream_chunks
 from swaserve.server.tokenize import add_tokenize_routes
+from swaserve.server.tools import chat_constraints, check_structured
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -116,11 +117,15 @@ def create_app(
         echo_only = bool(req.echo) and req.max_tokens == 0  # the engine runs one token, which is not reported
         max_tokens = 1 if echo_only else (req.max_tokens or 16)
         prompt_lps = req.engine_prompt_logprobs
+        constraint = (check_structured(req.structured_outputs, "structured_outputs")
+                      if req.structured_outputs is not None else None)
         subs = [
             SubRequest(
                 f"{rid}-{p * n + j}", p * n + j, prompt=prompt,
                 sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": max_tokens, "logprobs": req.logprobs,
-                          "prompt_logprobs": prompt_lps},
+                          "prompt_logprobs": prompt_lps,
+                          # echo alone generates nothing to constrain (checked all the same)
+                          "structured_outputs": None if echo_only else constraint},
                 token_strings=req.logprobs is not None or prompt_lps is not None, stream=bool(req.stream),
                 echo=bool(req.echo), echo_only=echo_only,
             )
@@ -143,14 +148,20 @@ def create_app(
         rid, messages = f"chatcmpl-{uuid.uuid4().hex}", [m.as_template_dict() for m in req.messages]
         logprobs = req.engine_logprobs
         split = client.splits_reasoning(req.separate_reasoning)
+        # A constrained reply (response_format, structured_outputs, a forced tool call) is content from its
+        # first token: the grammar leaves no room for a reasoning block, so it is read as written (with
+        # `reasoning_content` null where the reasoning would have been split out).
+        plan, constraint = chat_constraints(req)
         subs = [
             SubRequest(
                 f"{rid}-{j}", j, messages=messages,
                 sampling={**req.sampling_kwargs(seed_offset=j), "max_tokens": req.max_new_tokens,
-                          "logprobs": logprobs},
+                          "logprobs": logprobs, "structured_outputs": constraint},
                 token_strings=logprobs is not None or req.prompt_logprobs is not None, stream=bool(req.stream),
-                reasoning_effort=req.reasoning_effort, separate_reasoning=split,
+                reasoning_effort=req.reasoning_effort, separate_reasoning=split and constraint is None,
                 include_reasoning=req.include_reasoning is not False, template_kwargs=req.chat_template_kwargs,
+                tools=plan.prompt_tools if plan is not None else None,
+                tool_plan=plan if plan is not None and plan.mode != "none" else None,
             )
             for j in range(req.num_choices)
         ]

@@ -27,6 +27,7 @@ from swaserve.server.inputs import prompt_ids, sampling_params
 from swaserve.server.messages import SubRequest, Update
 from swaserve.server.metrics import ServerMetrics
 from swaserve.server.protocol import APIError
+from swaserve.server.tools import ToolReply
 
 logger = logging.getLogger(__name__)
 LIVENESS_POLL_MS = 200  # with no output for this long, check that a core is still alive
@@ -44,13 +45,15 @@ class _Track:
     queue: asyncio.Queue[list[Update]]
     arrival: float
     prompt_tokens: int
-    detok: IncrementalDetokenizer | ParsedReply  # ParsedReply: a chat reply of a model with a reasoning format
+    detok: IncrementalDetokenizer | ParsedReply | ToolReply  # ParsedReply: a chat reply of a model with a
+    # reasoning format; ToolReply: a chat reply with tools (around either)
     replica: int  # the engine core that runs it
     prompt_ids: list[int] | None = None  # kept for the first update (echo, prompt logprobs)
     accepted: bool = False
     tokens: int = 0  # token ids handed out (posted or pending)
     chars: int = 0  # characters of detok.text handed out
     reasoning_chars: int = 0  # characters of detok.reasoning handed out (ParsedReply)
+    calls: int = 0  # entries of detok.calls handed out (ToolReply)
     last_token: float = 0.0
     posted: bool = False  # an update with tokens or text was posted
     pending: Update | None = None  # held back until stream_interval tokens (or the end)
@@ -172,13 +175,18 @@ class EngineClient:
                 continue
             sampling = {k: v for k, v in sub.sampling.items() if k != "stop"}
             sampling["max_tokens"] = params.max_tokens
-            parser = self.chat.reply_parser(sub.separate_reasoning, ids) if sub.messages is not None else None
-            detok: IncrementalDetokenizer | ParsedReply
+            # With tools the markers of the model's call format are text to parse: the content keeps them.
+            tools = sub.tool_plan is not None
+            parser = (self.chat.reply_parser(sub.separate_reasoning, ids, tool_markers=tools)
+                      if sub.messages is not None else None)
+            detok: IncrementalDetokenizer | ParsedReply | ToolReply
             if parser is not None:
                 detok = ParsedReply(parser, stop=params.stop)
                 sampling["stop_token_ids"] = [*params.stop_token_ids, *self.chat.stop_token_ids]
             else:
-                detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
+                detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop, skip_special_tokens=not tools)
+            if sub.tool_plan is not None:  # reasoning (a ParsedReply's) first, calls from the content
+                detok = ToolReply(detok, sub.tool_plan, getattr(self.chat, "tool_family", "hermes"))
             keep = sub.echo or params.prompt_logprobs is not None
             self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica,
                                                   ids if keep else None)
@@ -284,10 +292,16 @@ class EngineClient:
             upd.spec = delta.spec
         upd.text += detok.text[track.chars :]
         track.chars = len(detok.text)
-        if isinstance(detok, ParsedReply) and len(detok.reasoning) > track.reasoning_chars:
+        if not isinstance(detok, IncrementalDetokenizer) and len(detok.reasoning) > track.reasoning_chars:
             if track.sub.include_reasoning:
                 upd.reasoning += detok.reasoning[track.reasoning_chars :]
             track.reasoning_chars = len(detok.reasoning)
+        if isinstance(detok, ToolReply):
+            if len(detok.calls) > track.calls:
+                upd.tool_calls = (upd.tool_calls or []) + detok.calls[track.calls :]
+                track.calls = len(detok.calls)
+            if finish == "stop" and detok.num_calls:
+                finish = "tool_calls"
         upd.token_ids += new_ids
         if delta.prompt_logprobs is not None or track.prompt_ids is not None:
             self._prompt_extras(track, upd, delta)

@@ -17,7 +17,7 @@ def prompt_ids(tok: Any, chat: Any, sub: SubRequest) -> list[int]:
     if sub.messages is not None:
         try:
             prompt = chat.prompt_ids(sub.messages, reasoning_effort=sub.reasoning_effort,
-                                     template_kwargs=sub.template_kwargs)
+                                     template_kwargs=sub.template_kwargs, tools=sub.tools)
         except ValueError as e:  # no template (a base model), the template rejected the messages, bad options
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # template errors (jinja raise_exception) are about the input

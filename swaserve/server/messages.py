@@ -26,6 +26,8 @@ class SubRequest:
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables (chat_template_kwargs)
     echo: bool = False  # completions: the prompt comes back first (`Update.echo_text`)
     echo_only: bool = False  # completions, max_tokens 0 with echo: the engine's one token is not reported
+    tools: list[dict[str, Any]] | None = None  # chat: the functions the chat template is given
+    tool_plan: Any = None  # chat with tools (`server.tools.ToolPlan`): how the reply's tool calls are read
 
 
 @dataclass(slots=True)
@@ -44,6 +46,7 @@ class Update:
     cached_tokens: int | None = None  # with the first tokens: prompt tokens served from the prefix cache
     seed: int | None = None  # with the first tokens: the sampling seed in use
     spec: tuple[int, int] | None = None  # speculative decoding: (drafted, accepted) tokens so far
+    tool_calls: list[dict[str, Any]] | None = None  # chat with tools: new OpenAI streaming tool_calls entries
     error: APIError | None = None  # add refused, engine failure or shutdown; ends the sub-request
     # With the first tokens, where asked: the prompt's ids (echo or prompt logprobs), its logprobs ({token:
     # logprob} per token after the first) and their ranks, and for echo its text.

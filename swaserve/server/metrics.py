@@ -34,6 +34,12 @@ _ENGINE_GAUGES = (
      "Drafted tokens the target model accepted."),
     ("prompt_logprob_tokens_total", "swaserve_prompt_logprob_tokens_total", "counter",
      "Prompt positions scored for prompt logprobs / echo (extra LM-head rows; their prompts skip the prefix cache)."),
+    ("grammar_cache_hits_total", "swaserve_grammar_cache_hits_total", "counter",
+     "Structured-output constraints served from the compiled-grammar cache."),
+    ("grammar_cache_misses_total", "swaserve_grammar_cache_misses_total", "counter",
+     "Structured-output constraints compiled (not in the cache)."),
+    ("grammar_compile_ms_total", "swaserve_grammar_compile_ms_total", "counter",
+     "Milliseconds spent compiling grammars."),
 )
 _POOL_GAUGES = (
     ("used", "swaserve_kv_used_tokens", "KV slots in use, per pool."),

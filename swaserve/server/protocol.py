@@ -14,7 +14,10 @@ MAX_N = 16  # choices per prompt
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOP = 16  # OpenAI allows 4; extra room costs nothing
 MAX_LOGPROBS = 20
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's structured-output fields before v0.12, which replaced them with `structured_outputs`.
+_REMOVED_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                   "guided_grammar": "grammar"}
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error"}
 
@@ -108,6 +111,18 @@ class _SamplingRequest(_Strict):
     # OpenAI: {"token id": bias in [-100, 100]} (JSON keys are strings); ids past the vocabulary: the engine's 400.
     logit_bias: dict[str, Any] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: logprobs of the prompt's tokens
+    # vLLM's extension (docs/structured_outputs.md): {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_guided_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in _REMOVED_GUIDED.items():
+                if data.get(old) is not None:
+                    raise ValueError(f"{old} is vLLM's old name (removed in vLLM 0.12); use "
+                                     f"structured_outputs: {{\"{new}\": ...}}")
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -254,11 +269,14 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """A chat message; the role is one of CHAT_ROLES and only assistant messages may omit content."""
+    """A chat message; the role is one of CHAT_ROLES and only assistant messages may omit content.
+    Assistant messages may carry the `tool_calls` the model made; `tool` messages answer one by id."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -273,12 +291,19 @@ class ChatMessage(_Strict):
             raise ValueError(f"content is required for {self.role} messages")
         return self
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(p.text or "" for p in content)
         # Most chat templates know only system/user/assistant; "developer" is OpenAI's new system.
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.role == "tool" and self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -290,6 +315,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # models with a reasoning format (GPT-OSS)
@@ -304,10 +331,15 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("prompt_logprobs is not available when streaming")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools or self.functions:
-            raise ValueError("tools / function calling are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported")
+        if self.functions:
+            raise ValueError("functions (the deprecated form) are not supported; use tools")
+        forced = [name for name, on in (("response_format", self.response_format and
+                                         self.response_format.get("type") not in (None, "text")),
+                                        ("structured_outputs", self.structured_outputs),
+                                        ("tool_choice", self.tool_choice not in (None, "auto", "none")))
+                  if on]
+        if len(forced) > 1:
+            raise ValueError(f"{' and '.join(forced)} cannot be combined: each constrains the whole reply")
         return self
 
     @property

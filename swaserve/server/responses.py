@@ -54,8 +54,11 @@ def merge(batch: list[Update]) -> list[Update]:
                 None if upd.token_strs is None else dict(upd.token_strs), upd.finish_reason,
                 cached_tokens=upd.cached_tokens, seed=upd.seed, spec=upd.spec, prompt_ids=upd.prompt_ids,
                 prompt_logprobs=upd.prompt_logprobs, prompt_ranks=upd.prompt_ranks, echo_text=upd.echo_text,
+                tool_calls=None if upd.tool_calls is None else list(upd.tool_calls),
             )
             continue
+        if upd.tool_calls:
+            prev.tool_calls = (prev.tool_calls or []) + upd.tool_calls
         prev.spec = upd.spec or prev.spec
         if prev.prompt_ids is None and upd.prompt_ids is not None:  # the first update of a choice came later
             prev.prompt_ids, prev.prompt_logprobs, prev.prompt_ranks = upd.prompt_ids, upd.prompt_logprobs, upd.prompt_ranks
@@ -71,6 +74,15 @@ def merge(batch: list[Update]) -> list[Update]:
             prev.token_strs = {**(prev.token_strs or {}), **upd.token_strs}
         prev.finish_reason = upd.finish_reason or prev.finish_reason
     return list(merged.values())
+
+
+def add_tool_call(calls: list[dict[str, Any]], entry: dict[str, Any]) -> None:
+    """Fold one streaming `tool_calls` entry into a choice's whole calls: an entry with an id starts a
+    call; one without continues the call at its index (more of its arguments)."""
+    if "id" in entry:
+        calls.append({"id": entry["id"], "type": "function", "function": dict(entry["function"])})
+    else:
+        calls[entry["index"]]["function"]["arguments"] += entry["function"].get("arguments", "")
 
 
 class CompletionLogprobs:
@@ -132,6 +144,7 @@ class Choices:
         self.seed: list[int | None] = [None] * num_choices  # the sampling seed in use, where there is one
         self.spec: list[tuple[int, int] | None] = [None] * num_choices  # (drafted, accepted) so far
         self.lp_completion = [CompletionLogprobs() for _ in range(num_choices)]
+        self.tool_calls: list[list[dict[str, Any]]] = [[] for _ in range(num_choices)]  # whole calls
         self.lp: list[Any] = [
             [] if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for _ in range(num_choices)
@@ -170,6 +183,8 @@ class Choices:
         self.reasoning_text[i] += upd.reasoning
         self.tokens[i] += len(upd.token_ids)
         self.finish[i] = upd.finish_reason or self.finish[i]
+        for entry in upd.tool_calls or ():
+            add_tool_call(self.tool_calls[i], entry)
         if self.logprobs is not None and upd.logprobs is not None:
             if self.chat:
                 self.lp[i] += chat_logprobs(upd, self.logprobs)
@@ -199,6 +214,9 @@ class Choices:
             lp = None if self.logprobs is None else ({"content": self.lp[i]} if self.chat else self.lp[i])
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tool_calls[i]:
+                    message["content"] = text or None
+                    message["tool_calls"] = self.tool_calls[i]
                 if self.reasoning:
                     message["reasoning_content"] = self.reasoning_text[i] or None
                 choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": self.finish[i]}
@@ -239,12 +257,14 @@ async def stream_chunks(
                 if echo_lp is not None:
                     lp = {key: echo_lp[key] + (lp[key] if lp else []) for key in echo_lp}
                 upd.text = echo + upd.text
-                if not (upd.text or upd.reasoning or upd.finish_reason or lp):
+                if not (upd.text or upd.reasoning or upd.finish_reason or lp or upd.tool_calls):
                     continue
                 if chat:
                     delta = {"reasoning_content": upd.reasoning} if upd.reasoning else {}
                     if upd.text or (lp and not upd.reasoning):
                         delta["content"] = upd.text
+                    if upd.tool_calls:
+                        delta["tool_calls"] = upd.tool_calls
                     choice = {"index": upd.index, "delta": delta, "logprobs": lp, "finish_reason": upd.finish_reason}
                 else:
                     choice = {"index": upd.index, "text": upd.text, "logprobs": lp,

@@ -118,6 +118,16 @@ def test_request_keeps_reasoning_in_content(server: LiveServer) -> None:
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == REPLY
 
 
+def test_constrained_reply_is_read_as_written(server: LiveServer) -> None:
+    """A reply under response_format is content from its first token (the grammar leaves no room for
+    channels): not split, `reasoning_content` null. (The scripted engine ignores the constraint, so its
+    harmony reply comes back whole, as the parser read it.)"""
+    r = server.client().chat.completions.create(model=server.model, messages=MSGS,
+                                                response_format={"type": "json_object"})
+    msg = r.choices[0].message
+    assert (msg.content, msg.reasoning_content, r.choices[0].finish_reason) == (REPLY, None, "stop")
+
+
 def test_completions_unchanged(server: LiveServer, setup: tuple[Tokenizer, HarmonyChat]) -> None:
     tok, chat = setup
     script = _ids(chat, REPLY)

@@ -116,7 +116,7 @@ def test_render(chat: HarmonyChat, tok: Tokenizer) -> None:
     assert chat.stop_token_ids == [200002, 200012]  # <|return|>, <|call|>; <|end|> is not one
     with pytest.raises(ValueError, match="reasoning_effort must be one of"):
         chat.prompt_ids(msgs, reasoning_effort="max")
-    with pytest.raises(ValueError, match="role 'tool' is not supported"):
+    with pytest.raises(ValueError, match="tool message needs the tool_call_id"):
         chat.prompt_ids([{"role": "tool", "content": "x"}])
 
 
@@ -188,3 +188,33 @@ def test_chat_for_picks_the_format(tok: Tokenizer, chat: HarmonyChat) -> None:
     with pytest.raises(ValueError, match="reasoning_effort applies only"):
         plain.prompt_ids([], reasoning_effort="low")
     assert chat.has_reasoning and SHA256.startswith("446a95")
+
+
+def test_tools_rendered_and_calls_parsed(chat: HarmonyChat, tok: Tokenizer) -> None:
+    """Tools in the developer message, earlier calls and results as commentary messages; a reply's call
+    (the commentary channel to `functions.<name>`, ended by <|call|>, a stop id the parser never sees)
+    comes out as a tool call beside the reasoning."""
+    from swaserve.server.tools import ToolReply, tool_plan
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"sky": "rain"}'}]
+    text = tok.decode(chat.prompt_ids(msgs, tools=tools), skip_special_tokens=False)
+    assert "namespace functions" in text and "type get_weather = (_: {" in text and "Weather of a city." in text
+    assert ("<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
+            '{"city":"Oslo"}<|call|>') in text
+    assert '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"sky": "rain"}' in text
+    reply = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+             'to=functions.get_weather <|constrain|>json<|message|>{"city": "Bergen"}')
+    ids = reply_ids(chat, reply)
+    out = ToolReply(ParsedReply(chat.reply_parser(True)), tool_plan(tools, "auto", None), "hermes")
+    for i in range(0, len(ids), 3):
+        out.step(ids[i : i + 3])
+    out.flush()
+    assert out.reasoning == "Need the weather." and out.text == ""
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in out.calls] == [
+        ("get_weather", '{"city": "Bergen"}')]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2] / "swaserve"
 # longest entry that matches a module decides its plane (so a module can sit below the rest of its package).
 PLANES: list[tuple[str, tuple[str, ...]]] = [
     # plain data and helpers everything may use
-    ("base", ("config.py", "request.py", "h2d.py", "detokenizer.py")),
+    ("base", ("config.py", "request.py", "h2d.py", "detokenizer.py", "structured_outputs.py")),
     # Triton kernels; the tensor-parallel group and the collectives layers call
     ("primitives", ("kernels/", "distributed/state.py")),
     # request table, allocators, KV pools, SWA mapping, planner
@@ -36,7 +36,9 @@ PLANES: list[tuple[str, tuple[str, ...]]] = [
     ("prefix_cache", ("prefix_cache/",)),
     ("scheduler", ("scheduler/",)),
     # one step on every rank: assembling (and sizing) a runtime, launching a scheduled step, other TP ranks
-    ("step", ("runtime.py", "sizing.py", "engine_setup.py", "launcher.py", "prompt_scores.py", "distributed/")),
+    # (grammar/: structured outputs' compiled grammars and per-sequence matchers, which the launcher masks with)
+    ("step", ("runtime.py", "sizing.py", "engine_setup.py", "launcher.py", "prompt_scores.py", "distributed/",
+              "grammar/")),
     # drafters and the verify step: they plug into the scheduler and the launcher
     ("speculative", ("speculative/",)),
     ("engine", ("engine.py",)),

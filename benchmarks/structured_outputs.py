@@ -1,0 +1,109 @@
+"""Structured outputs: the cost of a JSON schema on a full batch. 256 concurrent requests (random
+prompts, `--output-len` tokens each) run twice on a Gemma 3 shape with random weights
+(`--load-format dummy`) and the embedded model's tokenizer: unconstrained (EOS ignored), then every
+request under one JSON schema whose string field lets a random model write to its length. Reports output
+tok/s of each run and their ratio (goal: constrained >= 90% of unconstrained), TTFT (p50/p99, from
+submission to the step that returned the first token), the host time spent filling masks, and the
+schema's compile time cold (first compile; xgrammar's vocabulary table reported apart) and cached.
+
+    python benchmarks/structured_outputs.py [--shape 1b] [--num-requests 256] [--output-len 256]
+    python benchmarks/structured_outputs.py --smoke     # tiny CPU run (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_device, bench_dtype, hardware, model_dir, now, parse_args  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "text": {"type": "string"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["id", "text", "tags"], "additionalProperties": False}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=4, input_len=12, output_len=6))
+    from swaserve.engine import Engine
+    from swaserve.request import SamplingParams
+    from swaserve.structured_outputs import StructuredOutputs
+
+    dev = bench_device(a.smoke)
+    dtype = bench_dtype(dev)
+    engine = Engine(model_dir(a.shape, tokenizer="embedded"), device=dev, dtype=dtype, load_format="dummy",
+                    max_running_requests=a.num_requests, max_context=a.input_len + a.output_len + 8)
+    spec = StructuredOutputs(json=SCHEMA)
+    t = time.perf_counter()
+    engine._compile_constraint(SamplingParams(structured_outputs=spec))  # the schema, cold (+ vocab table)
+    first = time.perf_counter() - t
+    grammars = engine.grammars
+    assert grammars is not None
+    cold_ms, vocab_ms = grammars.last_compile_seconds * 1e3, grammars.vocab_seconds * 1e3
+    t = time.perf_counter()
+    engine._compile_constraint(SamplingParams(structured_outputs=spec))
+    cached_ms = (time.perf_counter() - t) * 1e3
+    compile_row = dict(kind="compile", schema_cold_ms=round(cold_ms, 2), vocab_table_ms=round(vocab_ms, 1),
+                       first_request_ms=round(first * 1e3, 1), schema_cached_ms=round(cached_ms, 4))
+    print(json.dumps(compile_row), flush=True)
+    rng = random.Random(a.seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randint(10, min(200_000, vocab - 1)) for _ in range(a.input_len)] for _ in range(a.num_requests)]
+    warm = SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
+    run(engine, prompts[:2], warm, "warm")  # first-use costs (kernels, the mask path) out of the runs
+    rows = []
+    for name, so in (("unconstrained", None), ("json_schema", spec)):
+        params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=so is None, structured_outputs=so)
+        rows.append(dict(kind="run", mode=name, shape=a.shape, **run(engine, prompts, params, name)))
+        print(json.dumps(rows[-1]), flush=True)
+    base, constrained = rows
+    ratio = constrained["out_tok_per_s"] / base["out_tok_per_s"] if base["out_tok_per_s"] else 0.0
+    print(json.dumps(dict(kind="summary", tok_per_s_ratio=round(ratio, 3), hardware=hardware())), flush=True)
+    print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}:")
+    print(f"  {'mode':<14} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8}")
+    for r in rows:
+        print(f"  {r['mode']:<14} {r['out_tok_per_s']:>10} {r['ttft_p50_ms']:>12} {r['ttft_p99_ms']:>12} "
+              f"{r['output_tokens']:>8}")
+    print(f"  constrained / unconstrained: {ratio:.1%}; schema compile {cold_ms:.1f} ms cold (vocabulary table "
+          f"{vocab_ms:.0f} ms, once per process), {cached_ms * 1e3:.1f} us cached")
+
+
+def run(engine, prompts: list[list[int]], params, tag: str) -> dict:
+    """Submit every prompt at once, step to the end; output tok/s and TTFT."""
+    dev = engine.device
+    t0 = now(dev)
+    submitted = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    first: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        t = time.perf_counter()
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            if n and out.request_id not in first:
+                first[out.request_id] = t - submitted
+            tokens[out.request_id] = n
+    dt = now(dev) - t0
+    total = sum(tokens.values())
+    ttft = sorted(first.values()) or [0.0]
+    return dict(requests=len(prompts), output_tokens=total, seconds=round(dt, 3),
+                out_tok_per_s=round(total / dt, 1) if dt else 0.0,
+                ttft_p50_ms=round(statistics.median(ttft) * 1e3, 1),
+                ttft_p99_ms=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3, 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""SequenceGrammar: one sequence's place in its compiled grammar (xgrammar's `GrammarMatcher`), advanced
+by every token the sequence appends; `fill_token_masks`: a batch's allowed-token bitmasks on the host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+_BATCH: Any = None  # xgrammar's BatchGrammarMatcher (a thread pool), made on first use
+
+
+class SequenceGrammar:
+    """The grammar state of one sequence (a request with n > 1 has one per sequence).
+
+    Invariant: the matcher has accepted exactly the sequence's output tokens the host has seen, in order
+    (a sampled token always obeys the mask it was drawn under, so it is always accepted; a sequence
+    retracted and recomputed keeps its tokens and so its state). `terminated` once it accepted a stop
+    token: the output is complete."""
+
+    __slots__ = ("matcher", "rejected")
+
+    def __init__(self, compiled: Any, stop_ids: Sequence[int]):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids) or None)
+        self.rejected = 0  # tokens the grammar refused (only a token forced past the mask could be one)
+
+    def accept(self, token: int) -> bool:
+        if self.matcher.is_terminated():
+            return False
+        ok = bool(self.matcher.accept_token(token))
+        self.rejected += not ok
+        return ok
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+def fill_token_masks(grammars: Sequence[SequenceGrammar | None], vocab_size: int) -> torch.Tensor | None:
+    """`[n, ceil(vocab_size / 32)]` int32 on the host (pinned where CUDA is available): row i has bit t of
+    word t // 32 set where token t is allowed next for grammars[i]. Rows without a grammar (None, or a
+    finished one: a sequence that ended while its next step was already launched) allow every token.
+    None when no row has a live grammar (the batch samples unconstrained)."""
+    global _BATCH
+    live = [i for i, g in enumerate(grammars) if g is not None and not g.matcher.is_terminated()]
+    if not live:
+        return None
+    import xgrammar as xgr
+
+    if _BATCH is None:
+        _BATCH = xgr.BatchGrammarMatcher(max_threads="auto")
+    words = (vocab_size + 31) // 32
+    masks = torch.full((len(grammars), words), -1, dtype=torch.int32,
+                       pin_memory=torch.cuda.is_available())
+    _BATCH.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], masks,  # type: ignore[union-attr]
+                                         indices=live)
+    return masks
