@@ -201,3 +201,27 @@ def test_tensor_parallel_cut_inside_a_block_is_refused():
             convert_experts(experts, online=False, name="experts")
     finally:
         set_tp_group(TPGroup())
+
+
+def test_online_fp8_gemma4_moe_matches_hf_on_the_same_blocks(tmp_path):
+    """Gemma 4's stacked experts (the 26B-A4B form) quantised online: HF run on the weights each
+    checkpoint tensor becomes after 128 x 128 quantisation (stacked experts per expert, blocks over
+    gate and up rows together, as `StackedExperts` quantises them) gives the same greedy tokens."""
+    from families import _FP8_LINEARS
+
+    hf = make_hf_model("gemma4_moe", tmp_path, seed=2)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if (name.endswith(_FP8_LINEARS) and ".layers." in name) or name.endswith(
+                    ("experts.gate_up_proj", "experts.down_proj")):
+                q, s = fp8.quantize(p.data)
+                p.copy_(fp8.dequantize(q, s, p.dtype))
+    loaded = load_model(str(tmp_path), CPU, torch.float32, quantization="fp8")
+    experts = [m for m in loaded.model.modules() if isinstance(m, StackedExperts)]
+    assert experts and all(m.gate_up_proj.dtype == fp8.FP8 for m in experts)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, hf.config.vocab_size, (17,), generator=g).tolist()
+    h = Harness(loaded.config, loaded.model, hybrid=True, full_tokens=40, swa_tokens=30)
+    logits, tokens = h.generate([prompt], STEPS)
+    ref_logits, ref_tokens = hf_greedy(hf, prompt, STEPS)
+    assert tokens[0] == ref_tokens and (logits[0] - ref_logits).abs().max() < 1e-4
