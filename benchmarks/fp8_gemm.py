@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_device, copy_bandwidth, graph_us, hardware, parse_args  # noqa: E402
+from common import bench_device, copy_bandwidth, graph_us, hardware, parse_args
 
 # (name, N, K) of the dense projections; (hidden, experts, top-k, intermediate) of the experts.
 GEMMS = {

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from swaserve.kernels.fp8_gemm import fp8_gemm, quant_fp8_groups  # noqa: E402
-from swaserve.kernels.fused_moe import fused_moe  # noqa: E402
-from swaserve.layers import fp8  # noqa: E402
-from swaserve.layers.fused_moe import moe_experts_reference  # noqa: E402
+from swaserve.kernels.fp8_gemm import fp8_gemm, quant_fp8_groups
+from swaserve.kernels.fused_moe import fused_moe
+from swaserve.layers import fp8
+from swaserve.layers.fused_moe import moe_experts_reference
 
 DEV = torch.device("cuda")
 # (N, K): MiMo-V2-Flash sliding qkv, dense down; Gemma-4-26B-A4B qkv, o_proj, dense down.
