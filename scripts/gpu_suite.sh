@@ -16,7 +16,8 @@
 # (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 34: svo_url (the
-# serving benchmark against a server it did not launch, --base-url). Logs in $OUT/<step>.log;
+# serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
+# tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -73,6 +74,11 @@ for step in "${steps[@]}"; do
                 --contexts 1024,8192 --steps 32 --warmup 4 ;;
         moe_bench)
             run moe_bench 90 python3 benchmarks/moe_kernel.py ;;
+        fp8)  # issue 37: block-FP8 kernels natively (interpreter tests + real shapes), then the GEMM/MoE benchmark
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_kernels 200 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_fp8_gemm.py
+            run fp8_gpu 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py
+            run fp8_bench 420 python3 benchmarks/fp8_gemm.py ;;
         serve)
             d=$(model_dir gemma4-26b-a4b)
             run serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \

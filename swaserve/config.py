@@ -245,6 +245,10 @@ class RunnerConfig:
     load_format: str = _opt("auto", "weights: auto (from the model files) or dummy (random weights in the model's "
                             "shapes, for benchmarks; an HF directory then needs only config.json)",
                             choices=("auto", "dummy"))
+    quantization: str | None = _opt(
+        None, "quantise an unquantised (bf16/fp16/fp32) checkpoint's weights at load: fp8 = e4m3 with a float32 scale "
+        "per 128x128 block for every attention/MLP projection and expert (LM head and embeddings stay as stored); "
+        "checkpoints that are already quantised are refused", choices=("fp8",))
     attention_backend: str | None = _opt(None, "attention backend (default: triton on CUDA, torch_native elsewhere)",
                                          choices=("triton", "torch_native"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on the GPU")

@@ -39,7 +39,8 @@ def load_engine_model(model: str | LoadedModel | None, device: torch.device, dty
     from swaserve.loader import load_model
 
     loaded = (model if isinstance(model, LoadedModel)
-              else load_model(model, device, dtype, load_format=runner_cfg.load_format))
+              else load_model(model, device, dtype, load_format=runner_cfg.load_format,
+                              quantization=runner_cfg.quantization))
     cap = sched_cfg.max_context or (CPU_DEFAULT_MAX_CONTEXT if device.type == "cpu" else None)
     config = loaded.config
     if cap is not None:

@@ -1,5 +1,5 @@
 """Fused MoE experts on the GPU: (token, slot) pairs sorted into per-expert blocks without a host sync
-(`align_pairs`), then two grouped GEMMs over those blocks (`kernels.moe_gemm`: dense or MXFP4 weights,
+(`align_pairs`), then two grouped GEMMs over those blocks (`kernels.moe_gemm`: dense, MXFP4 or block-FP8 weights,
 optional biases, the gated activation fused into the first), and a fixed-order combine (`fused_moe`).
 Capturable in a CUDA graph: every buffer is sized from n."""
 
@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import jit_per_batch, num_sms
+from swaserve.kernels.fp8_gemm import W8A8_MIN_ROWS, quant_fp8_groups
 from swaserve.kernels.moe_gemm import MOE_ACTS, moe_gemm
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
@@ -159,8 +160,8 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 def fused_moe(
     x: torch.Tensor,  # [n, H]
-    w_gate_up: torch.Tensor,  # [E, 2I, H], gate rows first; MXFP4: [E, 2I, H/32, 16] uint8 codes
-    w_down: torch.Tensor,  # [E, H, I]; MXFP4: [E, H, I/32, 16] uint8 codes
+    w_gate_up: torch.Tensor,  # [E, 2I, H], gate rows first (dense or e4m3); MXFP4: [E, 2I, H/32, 16] uint8
+    w_down: torch.Tensor,  # [E, H, I] (dense or e4m3); MXFP4: [E, H, I/32, 16] uint8 codes
     topk_weights: torch.Tensor,  # [n, k] float
     topk_ids: torch.Tensor,  # [n, k] int
     activation: str,  # "silu", "gelu", "gelu_tanh" or "swiglu_oai" (GPT-OSS: needs alpha and limit)
@@ -168,8 +169,10 @@ def fused_moe(
     block_m: int | None = None,
     batch_invariant: bool = False,  # one tiling for every n (deterministic mode)
     *,
-    gate_up_scales: torch.Tensor | None = None,  # [E, 2I, H/32] uint8 e8m0: w_gate_up is MXFP4
-    down_scales: torch.Tensor | None = None,  # [E, H, I/32] uint8 e8m0: w_down is MXFP4
+    gate_up_scales: torch.Tensor | None = None,  # [E, 2I, H/32] uint8 e8m0 (MXFP4); FP8: [E, ceil(2I/sr), ceil(H/128)] fp32
+    down_scales: torch.Tensor | None = None,  # [E, H, I/32] uint8 e8m0 (MXFP4); FP8: [E, ceil(H/128), ceil(I/128)] fp32
+    gate_up_scale_rows: int = 128,  # FP8: w_gate_up rows per scale (1: a scale per row, `layers.fp8_linear`)
+    act_fp8: bool | None = None,  # FP8: activations quantised (W8A8); None: when experts average W8A8_MIN_ROWS pairs
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I], gate first
     down_bias: torch.Tensor | None = None,  # [E, H]
     alpha: float | None = None,  # swiglu_oai's sigmoid gain
@@ -181,7 +184,9 @@ def fused_moe(
     in float32; rows with `row_valid` False are 0. Four launches, none of them waiting on the host.
     Biases, when given, are added to each GEMM's output before the activation / the combine.
     `batch_invariant`: 64-row blocks and 64-column tiles whatever n (no K split either way), so a
-    token's expert outputs do not depend on how many tokens share the call."""
+    token's expert outputs do not depend on how many tokens share the call (and FP8 weights run
+    weight-only). FP8 experts read bf16 activations (weight-only) while the calls are bandwidth-bound and
+    quantise them per row and 128 inputs (W8A8, fp8 MMAs) once the experts' GEMMs are compute-bound."""
     if activation not in MOE_ACTS:
         raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(MOE_ACTS)}")
     if activation == "swiglu_oai" and (alpha is None or limit is None):
@@ -208,11 +213,19 @@ def fused_moe(
     tune = dict(tuning or {})
     if "block_n" in tune:
         bn = bn1 = tune.pop("block_n")
-    moe_gemm(x, w_gate_up, gate_up_scales, gate_up_bias, h, sorted_pairs, block_expert, n * k, top_k=k,
+    fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    if not fp8 or batch_invariant:
+        act_fp8 = False
+    elif act_fp8 is None:
+        act_fp8 = x.dtype != torch.float32 and n * k >= W8A8_MIN_ROWS * E
+    xa, xs = quant_fp8_groups(x) if act_fp8 else (x, None)
+    moe_gemm(xa, w_gate_up, gate_up_scales, gate_up_bias, h, sorted_pairs, block_expert, n * k, top_k=k,
              a_per_token=True, gated=True, activation=activation, **act, block_m=bm, block_n=bn1,
-             block_k=block_k, **tune)
-    moe_gemm(h, w_down, down_scales, down_bias, y, sorted_pairs, block_expert, n * k, top_k=k,
-             a_per_token=False, gated=False, block_m=bm, block_n=bn, block_k=block_k, **tune)
+             block_k=block_k, scale_rows=gate_up_scale_rows, a_scales=xs, **tune)
+    # Rows of h no pair wrote (padded rows) quantise to garbage that no block reads.
+    ha, hs = quant_fp8_groups(h) if act_fp8 else (h, None)
+    moe_gemm(ha, w_down, down_scales, down_bias, y, sorted_pairs, block_expert, n * k, top_k=k,
+             a_per_token=False, gated=False, block_m=bm, block_n=bn, block_k=block_k, a_scales=hs, **tune)
     return combine(y, topk_weights, row_valid, x.dtype)
 
 

@@ -1,7 +1,9 @@
 """The fused MoE's grouped GEMM (`moe_gemm`): each block of expert-sorted (token, slot) pairs times its
-expert's weights, dense (bf16/fp32) or MXFP4 (uint8 e2m1 codes and e8m0 scales dequantised in registers to
-the activations' dtype, fp32 accumulation: Hopper has no FP4 MMA), with an optional per-expert bias and the
-gated activation, or GPT-OSS's clamped SwiGLU, fused into the first GEMM's epilogue."""
+expert's weights, dense (bf16/fp32), MXFP4 (uint8 e2m1 codes and e8m0 scales dequantised in registers to
+the activations' dtype, fp32 accumulation: Hopper has no FP4 MMA) or block FP8 (e4m3 with a float32 scale
+per 128 x 128 block: weight-only, or W8A8 on activations quantised per row and 128 inputs, as
+`kernels.fp8_gemm` explains), with an optional per-expert bias and the gated activation, or GPT-OSS's
+clamped SwiGLU, fused into the first GEMM's epilogue."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ ACT_SWIGLU_OAI = 3  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min
 MOE_ACTS = {**ACTS, "swiglu_oai": ACT_SWIGLU_OAI}
 DENSE_BLOCK_K = 64  # inputs per step: 128 bytes of a bf16 weight row
 MXFP4_BLOCK_K = 128  # inputs per step of an MXFP4 row: 64 bytes of codes, 4 scales
+FP8_BLOCK = 128  # inputs (and rows) per block-FP8 weight scale
 # How the MXFP4 GEMM dequantises (`mx_mode`): every weight scaled as a bit pattern in the activations'
 # dtype; or through float32 arithmetic; or each 32-input group's dots first, its scale once per column
 # after them (steps of 32 inputs). All three are exact per weight; they differ in instructions per byte.
@@ -104,20 +107,35 @@ def _swiglu_oai(g, u, alpha, limit, ty: tl.constexpr):
     return ((u + 1.0) * glu).to(ty)
 
 
+@triton.jit
+def _fp8_block_dot(a, a_scale, w_ptrs, ws_ptrs, w_mask, col_ok, acc, A_FP8: tl.constexpr, UPCAST: tl.constexpr,
+                   PREC: tl.constexpr):
+    """acc + one 128-input step of a block-FP8 weight: `w_ptrs` [K, N] e4m3, `ws_ptrs` [1, N] the scale of
+    each column's block; `a` [M, K] e4m3 with `a_scale` [M] (A_FP8: an fp8 MMA) or in the activations'
+    dtype (the weights converted to it in registers, exactly)."""
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    ws = tl.load(ws_ptrs, mask=col_ok[None, :], other=0.0)
+    if A_FP8:
+        return acc + tl.dot(a, w) * a_scale[:, None] * ws
+    return acc + _dot(a, w.to(a.dtype), UPCAST, PREC) * ws
+
+
 @jit_per_batch("num_pairs")
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_pairs, block_expert,
-    num_pairs, n_out, n_in, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
-    alpha, limit,
+    a_ptr, as_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_pairs, block_expert,
+    num_pairs, n_out, n_in, stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+    stride_om, alpha, limit,
     A_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr,
+    FP8: tl.constexpr, A_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[pair, cols] = a[row(pair)] @ w[e, cols].T (+ bias[e, cols]) for the block's expert e; with
     GATED, w holds gate rows [0, n_out) and up rows [n_out, 2 n_out) and out = act(gate) * up. row(pair)
     is the token (pair // TOP_K) when A_PER_TOKEN, else the pair itself. MXFP4: w is [E, rows, n_in/2]
-    code bytes and s [E, rows, n_in/32] scales (strides in bytes)."""
+    code bytes and s [E, rows, n_in/32] scales (strides in bytes). FP8: w is [E, rows, n_in] e4m3 and s
+    [E, ceil(rows/SCALE_ROWS), ceil(n_in/128)] float32; A_FP8: a is e4m3 with `as` [rows of a, ceil(n_in/128)]."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert + b).to(tl.int64)
@@ -165,6 +183,22 @@ def _moe_gemm_kernel(
                 wu = tl.load(w_base + n_out * stride_wn + byte[:, None], mask=w_mask, other=0)
                 su = tl.load(sc_base + n_out * stride_sn + grp[None, :], mask=s_mask, other=127)
                 acc_up = tl.dot_scaled(a, None, "bf16", wu, su, "e2m1", acc=acc_up)
+    elif FP8:
+        ks = tl.arange(0, BLOCK_K)
+        ws_base = s_ptr + e * stride_se + (cols // SCALE_ROWS)[None, :] * stride_sn
+        wsu_base = s_ptr + e * stride_se + ((cols + n_out) // SCALE_ROWS)[None, :] * stride_sn
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = (k0 + ks) < n_in
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_scale = 0.0
+            if A_FP8:
+                a_scale = tl.load(as_ptr + a_row * stride_asm + k0 // 128, mask=row_ok, other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            acc = _fp8_block_dot(a, a_scale, w_base + (k0 + ks)[:, None], ws_base + k0 // 128, w_mask, col_ok, acc,
+                                 A_FP8, UPCAST, PREC)
+            if GATED:
+                acc_up = _fp8_block_dot(a, a_scale, w_base + n_out * stride_wn + (k0 + ks)[:, None],
+                                        wsu_base + k0 // 128, w_mask, col_ok, acc_up, A_FP8, UPCAST, PREC)
     elif MXFP4:
         kb = tl.arange(0, BLOCK_K // 2)  # code bytes of one step: inputs 2kb (low nibble) and 2kb + 1
         s_base = s_ptr + e * stride_se + cols[None, :] * stride_sn
@@ -212,8 +246,9 @@ def _moe_gemm_kernel(
 
 def moe_gemm(
     a: torch.Tensor,  # [n or pairs, n_in] activations (x per token, or h per pair)
-    w: torch.Tensor,  # [E, rows, n_in] dense, or [E, rows, n_in/32, 16] uint8 MXFP4 codes
-    scales: torch.Tensor | None,  # [E, rows, n_in/32] uint8 e8m0 (MXFP4), None for dense weights
+    w: torch.Tensor,  # [E, rows, n_in] dense or e4m3, or [E, rows, n_in/32, 16] uint8 MXFP4 codes
+    scales: torch.Tensor | None,  # [E, rows, n_in/32] uint8 e8m0 (MXFP4); FP8: [E, ceil(rows/scale_rows),
+    # ceil(n_in/128)] float32; None for dense weights
     bias: torch.Tensor | None,  # [E, rows]
     out: torch.Tensor,  # [pairs, n_out], written at the sorted pairs' rows only
     sorted_pairs: torch.Tensor,  # [blocks * block_m] int32
@@ -232,13 +267,21 @@ def moe_gemm(
     num_warps: int = 4,
     num_stages: int | None = None,  # software-pipelining depth (None: Triton's default)
     mx_mode: int = MX_DEFAULT,
+    scale_rows: int = FP8_BLOCK,  # FP8: weight rows per scale (128, or 1: a scale per row)
+    a_scales: torch.Tensor | None = None,  # FP8 W8A8: `a` is e4m3, these its [rows of a, ceil(n_in/128)] scales
 ) -> None:
     n_out = out.shape[1]
     n_in = a.shape[1]
-    mx = scales is not None
+    fp8 = w.dtype == torch.float8_e4m3fn
+    mx = scales is not None and not fp8
     E, rows = w.shape[:2]
     assert rows == (2 if gated else 1) * n_out, (w.shape, n_out, gated)
-    if mx:
+    if fp8:
+        assert scales is not None and scales.dtype == torch.float32 and scale_rows in (1, FP8_BLOCK), scale_rows
+        assert w.shape == (E, rows, n_in) and w.stride(2) == 1, (w.shape, w.stride())
+        assert scales.shape == (E, triton.cdiv(rows, scale_rows), triton.cdiv(n_in, FP8_BLOCK)), scales.shape
+        assert scales.stride(2) == 1 and (a_scales is None or a.dtype == torch.float8_e4m3fn)
+    elif mx:
         assert w.dtype == scales.dtype == torch.uint8 and n_in % 32 == 0, (w.dtype, scales.dtype, n_in)
         assert w.shape == (E, rows, n_in // 32, 16), w.shape
         assert scales.shape == (E, rows, n_in // 32), scales.shape
@@ -248,16 +291,22 @@ def moe_gemm(
     assert a.stride(1) == 1 and out.stride(1) == 1
     if bias is not None:
         assert bias.shape == (E, rows) and bias.stride(1) == 1, bias.shape
+    if fp8:  # 128 inputs per step (one scale); fp32 activations 64 so the stages fit in shared memory
+        block_k = block_k or (64 if a.dtype == torch.float32 else FP8_BLOCK)
+        assert FP8_BLOCK % block_k == 0, block_k
     block_k = block_k or (MXFP4_BLOCK_K if mx else DENSE_BLOCK_K)
     if mx_mode == MX_SCALED and a.dtype != torch.bfloat16:
         mx_mode = MX_FLOAT  # dot_scaled takes bf16 (or fp16) activations, not float32
-    upcast, prec = dot_flags(a.dtype)
-    s = scales if mx else w  # an unused pointer argument still needs a tensor
+    a_fp8 = a_scales is not None
+    upcast, prec = (False, "tf32") if a_fp8 else dot_flags(a.dtype)
+    s = scales if mx or fp8 else w  # an unused pointer argument still needs a tensor
+    a_s = a_scales if a_fp8 else s
     _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n_out, block_n))](
-        a, w, s, bias if bias is not None else w, out, sorted_pairs, block_expert,
-        num_pairs, n_out, n_in, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        a, a_s, w, s, bias if bias is not None else w, out, sorted_pairs, block_expert,
+        num_pairs, n_out, n_in, a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0), float(alpha), float(limit),
         A_PER_TOKEN=a_per_token, TOP_K=top_k, GATED=gated, ACT=MOE_ACTS[activation], HAS_BIAS=bias is not None,
-        MXFP4=mx, MX_MODE=mx_mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
+        MXFP4=mx, MX_MODE=mx_mode, FP8=fp8, A_FP8=a_fp8, SCALE_ROWS=scale_rows, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_kwargs(a),
     )

@@ -1,5 +1,6 @@
 """Merged projections: one GEMM for several HF weights that read the same input (q/k/v, gate/up);
-and output projections whose result the next kernel can take as split-K partial sums."""
+and output projections whose result the next kernel can take as split-K partial sums. Either may hold
+block-FP8 weights (`layers.fp8_linear`: e4m3 `weight` + float32 `weight_scale_inv`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swaserve.distributed.state import all_reduce, tp_group
+from swaserve.layers.fp8_linear import Fp8Spec, fp8_linear, load_merged_shard, load_out_param
 
 
 class MergedLinear(nn.Module):
@@ -20,6 +22,7 @@ class MergedLinear(nn.Module):
     """
 
     batch_invariant = False  # deterministic mode: rows do not depend on the batch (`layers.batch_invariant`)
+    fp8: Fp8Spec | None = None  # block-FP8 weight (`fp8_linear.convert_merged`): e4m3 weight + weight_scale_inv
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool,
                  shards: list[tuple[int, int]] | None = None):
@@ -33,14 +36,21 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(total)) if bias else None  # [sum(out_sizes)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.fp8.scale_rows, self.batch_invariant)
         if self.batch_invariant:
             from swaserve.layers.batch_invariant import invariant_linear
 
             return invariant_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def load_shard(self, shard: int, param_name: str, tensor: torch.Tensor) -> None:
-        """Copy HF tensor `tensor` into block `shard` of `weight` or `bias` (`param_name`)."""
+    def load_shard(self, shard: int, param_name: str, tensor: torch.Tensor, quantize: bool | None = None
+                   ) -> tuple[str, ...]:
+        """Copy HF tensor `tensor` into block `shard` of `weight`, `bias` or (FP8) `weight_scale_inv`
+        (`param_name`); returns the parameters it filled (an FP8 weight quantised here fills its scales
+        too: online, or `quantize`)."""
+        if self.fp8 is not None and param_name in ("weight", "weight_scale_inv"):
+            return load_merged_shard(self, shard, param_name, tensor, quantize)
         param = getattr(self, param_name)
         block = param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
         start, hf_rows = self.shards[shard]
@@ -50,9 +60,11 @@ class MergedLinear(nn.Module):
             raise ValueError(f"shard {shard} of {param_name}: expected shape {tuple(block.shape)}, "
                              f"got {tuple(tensor.shape)}")
         block.copy_(tensor)
+        return (param_name,)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}"
+        fp8 = "" if self.fp8 is None else f", fp8 (scale rows {self.fp8.scale_rows})"
+        return f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}{fp8}"
 
 
 class OutLinear(nn.Linear):
@@ -70,6 +82,7 @@ class OutLinear(nn.Linear):
 
     _splits: int | None = None
     batch_invariant = False  # deterministic mode: always `[M, N]` from `invariant_linear`
+    fp8: Fp8Spec | None = None  # block-FP8 weight (`fp8_linear.convert_out`): never split-K partial sums
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  shard: tuple[int, int] | None = None):
@@ -85,6 +98,11 @@ class OutLinear(nn.Linear):
             return tensor.narrow(1, start, self.in_features)
         return tensor
 
+    def load_param(self, param_name: str, tensor: torch.Tensor, quantize: bool | None = None) -> tuple[str, ...]:
+        """FP8: `weight_scale_inv` (this rank's input blocks) or an unquantised weight quantised here;
+        () where the default slice-and-copy loads it."""
+        return load_out_param(self, param_name, tensor, quantize) if self.fp8 is not None else ()
+
     def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:
         if self.reduce:
             y = self._local(x, None)
@@ -93,6 +111,8 @@ class OutLinear(nn.Linear):
         return self._local(x, self.bias, partial_sums)
 
     def _local(self, x: torch.Tensor, bias: torch.Tensor | None, partial_sums: bool = False) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8.scale_rows, self.batch_invariant)
         if self.batch_invariant:
             from swaserve.layers.batch_invariant import invariant_linear
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swaserve.distributed.state import all_reduce, shard_size, tp_group
+from swaserve.layers.fp8_linear import Fp8Spec, load_expert_part, load_stacked_param
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
@@ -83,6 +84,7 @@ class StackedExperts(nn.Module):
     parallelism splits every expert's intermediate size; the outputs are summed over the ranks."""
 
     batch_invariant = False  # deterministic mode (`layers.batch_invariant`)
+    fp8: Fp8Spec | None = None  # block FP8 (`fp8_linear.convert_experts`): e4m3 weights + `*_scale_inv` float32
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
@@ -109,9 +111,21 @@ class StackedExperts(nn.Module):
             return tensor.narrow(2, start, local)
         return tensor
 
-    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+    def load_param(self, param_name: str, tensor: torch.Tensor, quantize: bool | None = None) -> tuple[str, ...]:
+        """FP8: stacked scales, or unquantised stacked weights quantised here (`fp8_linear.load_stacked_param`);
+        () where the default slice-and-copy loads it."""
+        return load_stacked_param(self, param_name, tensor, quantize) if self.fp8 is not None else ()
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, param: str = "weight",
+                    quantize: bool | None = None) -> None:
         """One expert's HF weight, for checkpoints that store experts one by one: `gate_proj` or
-        `up_proj` `[I, hidden]`, `down_proj` `[hidden, I]` (this rank's part of I taken here)."""
+        `up_proj` `[I, hidden]`, `down_proj` `[hidden, I]` (this rank's part of I taken here); FP8: also
+        `param="weight_scale_inv"`, and an unquantised weight quantised here when online or `quantize`."""
+        if self.fp8 is not None:
+            load_expert_part(self, expert, proj, param, tensor, quantize)
+            return
+        if param != "weight":
+            raise ValueError(f"expert {expert} {proj}.{param}: these experts are not FP8")
         local = self.gate_up_proj.shape[1] // 2
         start = self.tp.rank * local if self.tp.enabled else 0
         if proj == "down_proj":
@@ -135,8 +149,11 @@ class StackedExperts(nn.Module):
     ) -> torch.Tensor:
         from swaserve.layers.fused_moe import moe_experts
 
+        scales = {} if self.fp8 is None else {
+            "gate_up_scales": self.gate_up_proj_scale_inv, "down_scales": self.down_proj_scale_inv,
+            "gate_up_scale_rows": self.fp8.scale_rows}
         return all_reduce(moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid,
-                                      self.batch_invariant))
+                                      self.batch_invariant, **scales))
 
 
 class GroupedTopKRouter(nn.Module):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swaserve.config import ModelConfig
+from swaserve.layers.fp8 import QUANTIZATIONS, with_online_fp8
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,15 +44,18 @@ def load_hf_config(model: str | None) -> Any:
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_context: int | None = None,
-               load_format: str = "auto") -> LoadedModel:
+               load_format: str = "auto", quantization: str | None = None) -> LoadedModel:
     """`load_format="dummy"`: the model's shapes with random weights (`loader.dummy`); an HF
-    directory then needs only config.json (and tokenizer files, for text prompts)."""
+    directory then needs only config.json (and tokenizer files, for text prompts). `quantization="fp8"`:
+    an unquantised checkpoint's projections and experts quantised to block FP8 as they load."""
     from swaserve.loader.resolve import resolve_model
     from swaserve.models.registry import build_model
     from swaserve.tokenizer import Tokenizer
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     resolved = resolve_model(model)
     path = Path(resolved.path)
     if resolved.kind == "gguf":
@@ -69,6 +73,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_
         # No tokenizer files (e.g. a random-weight test checkpoint): prompts must be token ids.
         tokenizer = Tokenizer.from_hf_dir(path) if has_tokenizer else None
         weights = iter_safetensors(path) if load_format == "auto" else iter(())
+    if quantization == "fp8":
+        with_online_fp8(hf_config)
     config = ModelConfig.from_hf(hf_config, max_context=max_context)
     module = build_model(config, dtype, device)
     if load_format == "dummy":

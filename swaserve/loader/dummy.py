@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from swaserve.layers import mxfp4
+from swaserve.layers import fp8, mxfp4
 from swaserve.layers.linear import MergedLinear
+from swaserve.layers.moe import StackedExperts
 from swaserve.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -29,8 +30,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
     """Fill every parameter in place, on its device: matrices ~ N(0, std); norm weights near their
     identity (around 0 for Gemma's `1 + w` form, around 1 otherwise); output scalars 1; other vectors
     (biases, sinks) ~ N(0, 0.05); MXFP4 experts (uint8 `*_blocks` / `*_scales`, as the checkpoint stores
-    them) random codes with scales that give weights of RMS ~0.02. Activations then stay O(1) through any
-    depth, and greedy outputs vary with the input, so the model behaves like a real one for memory and speed.
+    them) random codes with scales that give weights of RMS ~0.02; block-FP8 weights (e4m3 + float32
+    `*_scale_inv`) the N(0, std) draw quantised to 128 x 128 blocks as a checkpoint's would be (scales
+    ~amax/448 of each block), experts one at a time. Activations then stay O(1) through any depth, and
+    greedy outputs vary with the input, so the model behaves like a real one for memory and speed.
 
     Every tensor (each block of a merged projection apart) is drawn from a generator seeded by `seed`
     and its name. `whole_shapes` (tensor parallelism: `whole_parameter_shapes`): each parameter's shape
@@ -45,7 +48,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
         def draw(shape: tuple[int, ...], key: str, name: str = name, p: nn.Parameter = p,
                  norm: bool | None = norm) -> torch.Tensor:
             g = torch.Generator(device=p.device).manual_seed((seed << 32) + zlib.crc32(key.encode()))
-            return _draw(torch.empty(shape, dtype=p.dtype, device=p.device), name, norm, std, g)
+            dtype = torch.float32 if p.dtype == fp8.FP8 else p.dtype  # FP8: quantised by its owner
+            return _draw(torch.empty(shape, dtype=dtype, device=p.device), name, norm, std, g)
+
+        if pname.endswith("_scale_inv"):
+            continue  # filled when its weight is quantised
+        if p.dtype == fp8.FP8:
+            _draw_fp8(owner, pname, name, p, draw, whole_shapes)
+            continue
 
         if isinstance(owner, MergedLinear):  # one tensor per HF projection, as a checkpoint has them
             for i, (_, hf_rows) in enumerate(owner.shards):
@@ -59,6 +69,28 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
             raise ValueError(f"dummy weights: no rank's part of {name!r} {tuple(whole.shape)} fits its "
                              f"parameter {tuple(p.shape)}")
         p.copy_(whole)
+
+
+def _draw_fp8(owner: nn.Module, pname: str, name: str, p: nn.Parameter, draw,
+              whole_shapes: dict[str, tuple[int, ...]] | None) -> None:
+    """An FP8 weight and its scales: each HF tensor drawn dense and whole, then loaded as an unquantised
+    checkpoint tensor is online (this rank's part, quantised to 128 x 128 blocks). Stacked experts go
+    one expert and projection at a time, so no dense copy of a whole layer's experts is ever made."""
+    if isinstance(owner, MergedLinear):
+        for i, (_, hf_rows) in enumerate(owner.shards):
+            owner.load_shard(i, pname, draw((hf_rows, owner.in_features), f"{name}#{i}"), quantize=True)
+    elif isinstance(owner, StackedExperts):
+        hidden, full = owner.down_proj.shape[1], owner.hf_intermediate
+        for e in range(p.shape[0]):
+            if pname == "gate_up_proj":
+                for proj in ("gate_proj", "up_proj"):
+                    owner.load_expert(e, proj, draw((full, hidden), f"{name}#{e}#{proj}"), quantize=True)
+            else:
+                owner.load_expert(e, "down_proj", draw((hidden, full), f"{name}#{e}"), quantize=True)
+    else:  # an output projection: the whole HF weight, this rank's input columns quantised
+        shape = tuple(whole_shapes[name]) if whole_shapes is not None else tuple(p.shape)
+        if not owner.load_param(pname, draw(shape, name), quantize=True):
+            raise ValueError(f"dummy weights: no FP8 draw for {name!r}")
 
 
 def _draw(t: torch.Tensor, name: str, norm: bool | None, std: float, g: torch.Generator) -> torch.Tensor:

@@ -17,6 +17,7 @@ from swaserve.layers.linear import MergedLinear
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm, add_norm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
+from swaserve.models.quantization import apply_fp8, check_quant_method, keep_stored_dtypes
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
@@ -124,8 +125,10 @@ class CausalLM(nn.Module):
 
     sandwich_norms = False  # Gemma: extra norms after attention and MLP
     norm_kwargs: ClassVar[dict[str, Any]] = {}  # RMSNorm form (Gemma: unit_offset=True)
+    quant_methods: ClassVar[tuple[str, ...]] = ("fp8",)  # quantization_config methods the family runs
 
     def __init__(self, hf_config: Any):
+        check_quant_method(hf_config, self.quant_methods, type(self).__name__)
         super().__init__()
         hf = self.hf_config = hf_config
         self.config = ModelConfig.from_hf(hf)
@@ -137,11 +140,14 @@ class CausalLM(nn.Module):
         tied = bool(getattr(hf, "tie_word_embeddings", False))
         softcap = getattr(hf, "final_logit_softcapping", None)
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, tied, softcap)
+        # Block-FP8 checkpoints (or --quantization fp8): the projections and experts they cover, e4m3.
+        self.fp8 = apply_fp8(self, hf, self.map_weight_name, hf_module_names)
 
     def _apply(self, fn, recurse: bool = True) -> nn.Module:
-        # `model.to(dtype)` casts every parameter: modules that declare `float32_params` (the MoE
-        # routers, whose choices bf16 would flip) get theirs back in float32.
-        super()._apply(fn, recurse)
+        # `model.to(dtype)` casts every parameter: FP8 weights and their scales keep their dtypes, and
+        # modules that declare `float32_params` (the MoE routers, whose choices bf16 would flip) get
+        # theirs back in float32.
+        super()._apply(keep_stored_dtypes(self, fn), recurse)
         for m in self.modules():
             if getattr(m, "float32_params", False) and any(p.dtype != torch.float32 for p in m.parameters()):
                 m.float()
@@ -240,6 +246,15 @@ class CausalLM(nn.Module):
         named.load(name, target, tensor)
 
 
+def hf_module_names(name: str, module: nn.Module) -> list[str]:
+    """The HF modules one of the model's modules holds: q/k/v (or gate/up) of a merged projection."""
+    if isinstance(module, MergedLinear):
+        parts = sorted((shard, (name + ".").replace(dst, src)[:-1]) for src, dst, shard in STACKED_PARAMS
+                       if dst in name + ".")
+        return [n for _, n in parts[: len(module.out_sizes)]] or [name]
+    return [name]
+
+
 class NamedWeights:
     """Loads (HF name, tensor) pairs into `module` by parameter name: q/k/v and gate/up into their
     merged parameter's shards (`STACKED_PARAMS`), each other tensor into its parameter (a
@@ -252,7 +267,7 @@ class NamedWeights:
         if buffers:
             self.params.update(module.named_buffers())
         self.merged = {f"{n}.{p}": m for n, m in module.named_modules() if isinstance(m, MergedLinear)
-                       for p in ("weight", "bias") if getattr(m, p) is not None}
+                       for p in ("weight", "bias", "weight_scale_inv") if getattr(m, p, None) is not None}
         self.expected = {(n, None) for n in self.params if n not in self.merged}
         self.expected |= {(n, i) for n, m in self.merged.items() for i in range(len(m.out_sizes))}
         self.loaded: set[tuple[str, int | None]] = set()
@@ -268,18 +283,32 @@ class NamedWeights:
         for src, dst, shard in STACKED_PARAMS:
             pname = target.replace(src, dst)
             if src in target and pname in self.merged:
-                self.merged[pname].load_shard(shard, pname.rsplit(".", 1)[1], tensor)
-                self.loaded.add((pname, shard))
+                prefix = pname.rsplit(".", 1)[0]
+                for filled in self.merged[pname].load_shard(shard, pname.rsplit(".", 1)[1], tensor):
+                    self.loaded.add((f"{prefix}.{filled}", shard))
                 return
         param = self.params.get(target)
         if param is None:
-            raise ValueError(f"unknown weight {name!r} for {type(self.module).__name__}")
+            hint = " (an FP8 scale of a module kept unquantised: see ignored_layers)" if name.endswith("_scale_inv") else ""
+            raise ValueError(f"unknown weight {name!r} for {type(self.module).__name__}{hint}")
         owner, _, pname = target.rpartition(".")
-        tp_slice = getattr(self.module.get_submodule(owner), "tp_slice", None)
+        if tensor.dtype == torch.float8_e4m3fn and param.dtype != tensor.dtype:
+            raise ValueError(f"{name!r} is stored as FP8 but swaserve keeps {target} in {param.dtype} (listed in the "
+                             "checkpoint's ignored_layers, or a module without an FP8 path)")
+        submodule = self.module.get_submodule(owner)
+        load_param = getattr(submodule, "load_param", None)
+        filled = load_param(pname, tensor) if load_param is not None else ()
+        if filled:  # the module loaded it itself (FP8 scales, weights quantised at load)
+            self.loaded.update((f"{owner}.{p}", None) for p in filled)
+            return
+        tp_slice = getattr(submodule, "tp_slice", None)
         if tp_slice is not None:  # tensor parallelism: this rank's part of the HF tensor
             tensor = tp_slice(pname, tensor)
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+        if param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:
+            raise ValueError(f"{name!r} is stored as {tensor.dtype} but the checkpoint's FP8 quantization_config "
+                             "quantises it (is it missing from ignored_layers?)")
         param.data.copy_(tensor)
         self.loaded.add((target, None))
 

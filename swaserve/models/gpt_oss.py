@@ -57,6 +57,7 @@ class GptOssForCausalLM(CausalLM):
     every layer's experts MXFP4 unless `modules_to_not_convert` names them; any other method is refused."""
 
     norm_kwargs: ClassVar[dict[str, Any]] = {"fp32_weight": True}
+    quant_methods: ClassVar[tuple[str, ...]] = ("mxfp4",)
 
     def __init__(self, hf_config: Any):
         mxfp4.quant_method(hf_config)  # a method this model cannot run fails here, naming it

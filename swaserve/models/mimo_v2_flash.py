@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 # transformers' MiMoV2FlashRotaryEmbedding assumes this factor where a layer type's rope dict names none.
 _PARTIAL_ROTARY = 0.334
 # Released checkpoints store experts one by one (transformers fuses them on load; its state_dict is fused).
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 _MTP_PREFIX = "model.mtp."
 
 
@@ -53,9 +54,6 @@ class MiMoV2FlashForCausalLM(CausalLM):
     model dtype. Loads stacked or per-expert expert weights and checks that every expert arrived."""
 
     def __init__(self, hf_config: Any):
-        if getattr(hf_config, "quantization_config", None):
-            raise ValueError("quantised MiMo-V2-Flash checkpoints (a quantization_config, e.g. FP8) are not supported yet; "
-                             "use a bf16 or fp32 checkpoint")
         self._experts_loaded: dict[str, set[tuple[int, str]]] = {}
         super().__init__(hf_config)
 
@@ -100,8 +98,11 @@ class MiMoV2FlashForCausalLM(CausalLM):
         self._experts_loaded = {}
         super().load_weights(weights)
         for prefix, seen in self._experts_loaded.items():
-            want = {(e, p) for e in range(self.get_submodule(prefix).gate_up_proj.shape[0])
-                    for p in ("gate_proj", "up_proj", "down_proj")}
+            experts = self.get_submodule(prefix)
+            # FP8 checkpoints also carry each expert's scales (online FP8 makes them at load).
+            scaled = experts.fp8 is not None and not experts.fp8.online
+            projs = [p + s for p in ("gate_proj", "up_proj", "down_proj") for s in ("", ".weight_scale_inv")[:1 + scaled]]
+            want = {(e, p) for e in range(experts.gate_up_proj.shape[0]) for p in projs}
             if want - seen:
                 missing = sorted(want - seen)[:3]
                 raise ValueError(f"checkpoint is missing {len(want - seen)} expert weights of {prefix}, e.g. {missing}")
@@ -111,11 +112,14 @@ class MiMoV2FlashForCausalLM(CausalLM):
         if m is None:
             named.load(name, target, tensor)
             return
-        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        prefix, expert, proj, param = m.group(1), int(m.group(2)), m.group(3), m.group(4)
         experts = self.get_submodule(prefix)
         if not isinstance(experts, StackedExperts) or expert >= experts.gate_up_proj.shape[0]:
             raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
-        experts.load_expert(expert, proj, tensor)
-        self._experts_loaded.setdefault(prefix, set()).add((expert, proj))
-        # Counts the stacked parameter as present; `load_weights` checks that every expert filled it.
-        named.mark(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+        experts.load_expert(expert, proj, tensor, param)
+        self._experts_loaded.setdefault(prefix, set()).add((expert, proj if param == "weight" else f"{proj}.{param}"))
+        # Counts the stacked parameters as present; `load_weights` checks that every expert filled them.
+        stacked = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        named.mark(stacked if param == "weight" else f"{stacked}_scale_inv")
+        if experts.fp8 is not None and experts.fp8.online:
+            named.mark(f"{stacked}_scale_inv")

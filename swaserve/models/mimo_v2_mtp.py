@@ -49,8 +49,12 @@ class MiMoMTPHead(nn.Module):
     `MiMoV2FlashForCausalLM` whose vocabulary-sized tensors stay on the meta device."""
 
     def __init__(self, hf: Any):
+        from swaserve.layers.fp8 import fp8_config
         from swaserve.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 
+        if fp8_config(hf) is not None:
+            raise ValueError("the MiMo-V2-Flash MTP drafter does not run FP8 weights yet (FP8 checkpoints and "
+                             "--quantization fp8 serve without --speculative-method mtp)")
         super().__init__()
         self.hf_config = hf
         skeleton = MiMoV2FlashForCausalLM(hf)  # builds the block the target's own way

@@ -1,6 +1,7 @@
 """Tiny random-weight HF models of every supported family: both layer types, windows of 8-12 that
 the test prompts cross, and each family's quirks turned up so they matter (small soft-caps, a low
-SwiGLU clamp, scaled rotary bases). `gpt_oss_mxfp4` is saved as GPT-OSS is released: MXFP4 experts."""
+SwiGLU clamp, scaled rotary bases). `gpt_oss_mxfp4` is saved as GPT-OSS is released: MXFP4 experts;
+`save_fp8` writes any of them in the block-FP8 layout (DeepSeek-V3 / MiMo-V2-Flash)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,15 @@ def mimo_v2_flash() -> Any:
                                 moe_intermediate_size=24, routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
+def gemma3_wide() -> Any:
+    """Gemma 3 wide enough that block-FP8 scale grids have several rows and columns and partial blocks:
+    hidden 160 (128 + 32), q 160 / k, v 80 each (merged parts that are not whole 128-row blocks),
+    intermediate 272 (128 + 128 + 16)."""
+    return tf.Gemma3TextConfig(**{**COMMON, "hidden_size": 160, "intermediate_size": 272}, num_hidden_layers=3,
+                               head_dim=40, sliding_window=8, query_pre_attn_scalar=24,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
 FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
     "llama": (llama, tf.LlamaForCausalLM),
     "mistral": (mistral, tf.MistralForCausalLM),
@@ -122,6 +132,13 @@ FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
     "gemma4_ple": (gemma4_ple, tf.Gemma4ForCausalLM),
     "gemma4_moe": (gemma4_moe, tf.Gemma4ForCausalLM),
     "mimo_v2_flash": (mimo_v2_flash, tf.MiMoV2FlashForCausalLM),
+}
+# Saved by `save_fp8` (tests/models/test_fp8.py): MiMo-V2-Flash as released (o_proj bf16, experts one by
+# one), a wide Gemma 3 with every projection FP8.
+FP8_FAMILIES: dict[str, tuple[Callable[[], Any], type]] = {
+    "mimo_v2_flash_fp8": (mimo_v2_flash, tf.MiMoV2FlashForCausalLM),
+    "gemma3_fp8": (gemma3_wide, tf.Gemma3ForCausalLM),
+    "gemma3_wide": (gemma3_wide, tf.Gemma3ForCausalLM),  # unquantised: online FP8
 }
 
 
@@ -182,15 +199,22 @@ def save_mxfp4(model: torch.nn.Module, out_dir: Path, seed: int, scales: tuple[i
 
 def make_hf_model(family: str, out_dir: Path, seed: int = 0) -> torch.nn.Module:
     """Build the tiny HF model in fp32 with eager attention, randomise it, save_pretrained to `out_dir`
-    (`gpt_oss_mxfp4`: in the released MXFP4 layout, `save_mxfp4`)."""
-    make_config, cls = FAMILIES[family]
+    (`gpt_oss_mxfp4`: in the released MXFP4 layout, `save_mxfp4`; `*_fp8`: block FP8, `save_fp8`)."""
+    make_config, cls = {**FAMILIES, **FP8_FAMILIES}[family]
     config = make_config()
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     randomize_(model, seed)
+    if family in ("gemma3_fp8", "gemma3_wide"):  # 2.5x wider: smaller weights keep the greedy output varied
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.data.mul_(0.25)
     if family == "gpt_oss_mxfp4":
         save_mxfp4(model, out_dir, seed)
+    elif family.endswith("_fp8"):
+        keep = [f"model.layers.{i}.self_attn.o_proj" for i in range(config.num_hidden_layers)] if "mimo" in family else []
+        save_fp8(model, out_dir, keep)
     else:
         model.save_pretrained(out_dir)
     return model
@@ -205,3 +229,56 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[to
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
     tokens = out.sequences[0, len(prompt):].tolist()
     return torch.cat(out.logits).float(), tokens
+
+
+# MiMo-V2-Flash's published FP8 settings (attention o_proj kept bf16 in every layer).
+def fp8_config(ignored: list[str]) -> dict:
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "ignored_layers": ignored}
+
+
+_FP8_LINEARS = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", ".gate_proj.weight",
+                ".up_proj.weight", ".down_proj.weight")
+
+
+@torch.no_grad()
+def save_fp8(model: torch.nn.Module, out_dir: Path, ignored: list[str]) -> None:
+    """Save `model` as a block-FP8 checkpoint: every decoder projection not in `ignored` (HF module
+    names) as e4m3 `weight` + float32 `weight_scale_inv` per 128 x 128 block, each checkpoint tensor
+    quantised on its own (MiMo's experts one by one, as released); the rest as it is. The model's own
+    weights become the dequantised values (fp32), so HF runs the very weights the checkpoint holds."""
+    from safetensors.torch import load_file, save_file
+
+    from swaserve.layers import fp8
+
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def roundtrip(name: str, w: torch.Tensor) -> None:  # w: a view into the model's parameter
+        q, s = fp8.quantize(w)
+        w.copy_(fp8.dequantize(q, s, w.dtype))
+        quantized[name] = (q, s)
+
+    for name, p in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(_FP8_LINEARS) and ".layers." in name and module not in ignored:
+            roundtrip(name, p.data)
+        elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # stacked: per expert
+            inter = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    roundtrip(f"{module}.{e}.gate_proj.weight", p.data[e, :inter])
+                    roundtrip(f"{module}.{e}.up_proj.weight", p.data[e, inter:])
+                else:
+                    roundtrip(f"{module}.{e}.down_proj.weight", p.data[e])
+    model.save_pretrained(out_dir)
+    files = sorted(out_dir.glob("*.safetensors"))
+    assert len(files) == 1, files
+    state = load_file(str(files[0]))
+    for name, (q, s) in quantized.items():
+        assert name in state, f"{name} is not a checkpoint tensor"
+        state[name] = q
+        state[name.replace(".weight", ".weight_scale_inv")] = s
+    save_file(state, str(files[0]), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = fp8_config(ignored)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -175,10 +175,3 @@ def test_router_stays_float32_in_bf16_models():
     routers = [m for m in model.modules() if isinstance(m, GroupedTopKRouter)]
     assert len(routers) == 3 and all(p.dtype == torch.float32 for r in routers for p in r.parameters())
     assert model.lm_head.weight.dtype == torch.bfloat16
-
-
-def test_quantised_checkpoint_is_refused():
-    cfg = mimo_v2_flash()
-    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    with pytest.raises(ValueError, match="quantised MiMo-V2-Flash"):
-        build_model(ModelConfig.from_hf(cfg), torch.float32, "cpu")
