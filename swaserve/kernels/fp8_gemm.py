@@ -40,9 +40,10 @@ def _round_e4m3(v, EMULATE: tl.constexpr):
     2^-9) so the cast is exact. The GPU's cast rounds the same way in one instruction."""
     if EMULATE:
         bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
-        sub = (v + 24576.0) - 24576.0  # 1.5 * 2^14: float32 spacing 2^-9 there
-        v = tl.where(tl.abs(v) < 0.015625, sub, bits.to(tl.float32, bitcast=True))
+        rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+        sub = (tl.abs(v) + 24576.0) - 24576.0  # 1.5 * 2^14: float32 spacing 2^-9 there
+        sub = sub.to(tl.int32, bitcast=True) | (bits & -2147483648)  # the sign kept, -0 included
+        v = tl.where(tl.abs(v) < 0.015625, sub, rounded).to(tl.float32, bitcast=True)
     return v.to(tl.float8e4nv)
 
 
