@@ -7,6 +7,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     for w in .whl/*.whl; do
         mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
         [ "$mod" = pyzmq ] && mod=zmq
+        [ "$mod" = apache_tvm_ffi ] && mod=tvm_ffi
         python3 -c "import $mod" 2> /dev/null || pip install -q --no-index --no-deps --target /tmp/site "$w" > /dev/null 2>&1
     done
     export PYTHONPATH=.:/tmp/site
