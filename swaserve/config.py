@@ -276,6 +276,9 @@ class ParallelConfig:
     node_rank: int = _opt(0, "this node's index (0 runs the engine and the server; others only ranks)")
     dist_init_addr: str | None = _opt(None, "HOST:PORT of node 0 for torch.distributed's rendezvous "
                                       "(default: a free local port; needed with --nnodes > 1)")
+    disable_custom_all_reduce: bool = _opt(
+        False, "send every all-reduce through NCCL (default on GPUs: messages up to 2 MiB go one-shot over "
+        "peer memory, summed in rank order; distributed/one_shot.py)")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle3", "mtp")

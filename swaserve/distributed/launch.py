@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from swaserve.config import ParallelConfig
+from swaserve.distributed.one_shot import build_one_shot
 from swaserve.distributed.state import TPGroup, set_tp_group
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,11 @@ def free_local_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, ordered: bool = False) -> TPGroup:
+def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, ordered: bool = False,
+              one_shot_dtype: torch.dtype | None = None) -> TPGroup:
     """Join the group (NCCL on GPUs, gloo on CPU, plus a gloo group for host messages) and make it
-    this process's tensor-parallel group (`ordered`: deterministic mode's rank-order all-reduce)."""
+    this process's tensor-parallel group (`ordered`: deterministic mode's rank-order all-reduce;
+    `one_shot_dtype`: set up the one-shot all-reduce for messages of that dtype, `one_shot.py`)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -74,9 +77,17 @@ def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, 
                             timeout=timedelta(minutes=30), **kw)
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    group = TPGroup(rank, world_size, world, cpu_group, ordered)
+    one_shot = build_one_shot(world, world_size, device, one_shot_dtype) if one_shot_dtype is not None else None
+    group = TPGroup(rank, world_size, world, cpu_group, ordered, one_shot)
     set_tp_group(group)
     return group
+
+
+def one_shot_dtype(engine_options: dict[str, Any], dtype: Any) -> torch.dtype | None:
+    """The dtype the one-shot all-reduce serves (the model's), or None when the option turns it off."""
+    from swaserve.config import split_engine_options
+
+    return None if split_engine_options(engine_options)[3].disable_custom_all_reduce else dtype
 
 
 def ordered_sums(engine_options: dict[str, Any]) -> bool:
@@ -153,5 +164,5 @@ def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dt
                       engine_options, os.getpid()) for r in range(first + 1, first + per_node)]
     procs = RankProcesses(specs, run_rank)
     group = init_rank(first, par.tensor_parallel_size, addr, rank_device(device, first, par),
-                      ordered_sums(engine_options))
+                      ordered_sums(engine_options), one_shot_dtype(engine_options, dtype))
     return group, procs

@@ -20,13 +20,15 @@ import torch.distributed as dist
 class TPGroup:
     """`group`: the device group (NCCL on GPUs, gloo on CPU) the layers' collectives run on;
     `cpu_group`: a gloo group for host messages (the step broadcast), the same group on CPU;
-    `ordered` (deterministic mode): `all_reduce` sums the ranks' partials in rank order."""
+    `ordered` (deterministic mode): `all_reduce` sums the ranks' partials in rank order;
+    `one_shot`: the peer-memory all-reduce for small messages (`one_shot.OneShotAllReduce`), or None."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
     cpu_group: Any = None
     ordered: bool = False
+    one_shot: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -67,6 +69,8 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     tp = _TP
     if not tp.enabled:
         return x
+    if tp.one_shot is not None and tp.one_shot.fits(x):
+        return tp.one_shot(x)  # rank order too: ordered or not
     if not tp.ordered:
         dist.all_reduce(x, group=tp.group)
         return x

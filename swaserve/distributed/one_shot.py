@@ -1,0 +1,75 @@
+"""A one-shot all-reduce over peer GPU memory (PyTorch symmetric memory), for the small messages of
+decode steps: each rank copies its partial into a buffer every rank of the group has mapped, the ranks
+meet at a device-side barrier, and every rank reads all partials and sums them. One kernel, no NCCL
+launch, captured in CUDA graphs like any other kernel, and no NVLink multicast (which these machines
+keep off): peer loads only.
+
+The sum runs in rank order, `((p0 + p1) + p2) + p3`, on every rank and for every message size (torch's
+`one_shot_all_reduce` indexes the peers' vectors by rank before adding), so it is the rank-order sum
+deterministic mode asks for, bit for bit the one `state.all_reduce`'s gather path computes.
+
+Messages above `ONE_SHOT_MAX_BYTES` (each rank reads every peer's whole message, so the cost grows
+with size times ranks) go to NCCL, or to the gather path in deterministic mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Largest message sent one-shot: a decode step of 256 rows at hidden 4096 in bf16 is 2 MiB. Not yet
+# tuned against NCCL on these machines.
+ONE_SHOT_MAX_BYTES = 2 << 20
+SIZES = (2, 4, 8)  # group sizes torch's kernel is specialised for
+
+
+class OneShotAllReduce:
+    """Owns a symmetric buffer of `max_bytes` in `dtype` on `device`, rendezvoused with `group` (every
+    rank constructs one, in the same order: the rendezvous is collective)."""
+
+    def __init__(self, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int = ONE_SHOT_MAX_BYTES):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.dtype = dtype
+        self.group_name = group.group_name
+        self.capacity = max_bytes // torch.empty((), dtype=dtype).element_size()
+        self.buffer = symm_mem.empty(self.capacity, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+        ops = torch.ops.symm_mem
+        self._copy_out = getattr(ops, "one_shot_all_reduce_copy_out", None)
+        self._out = ops.one_shot_all_reduce_out
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes one-shot: this dtype, contiguous, within the buffer, and a whole number of
+        4-byte words (the kernel's smallest vector)."""
+        n = x.numel()
+        return (x.dtype == self.dtype and x.is_contiguous() and 0 < n <= self.capacity
+                and (n * x.element_size()) % 4 == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks, in place. Each block of the kernel copies and later overwrites
+        only its own elements of `x`, so input and output may alias."""
+        flat = x.view(-1)
+        staged = self.buffer[: flat.numel()]
+        if self._copy_out is not None:
+            self._copy_out(staged, flat, "sum", self.group_name, flat)
+        else:  # older torch: stage the partial with a copy of our own
+            staged.copy_(flat)
+            self._out(staged, "sum", self.group_name, flat)
+        return x
+
+
+def build_one_shot(group: Any, size: int, device: torch.device, dtype: torch.dtype) -> OneShotAllReduce | None:
+    """The one-shot all-reduce for this group, or None where it cannot run (not CUDA, a group size the
+    kernel has no specialisation for, or symmetric memory unavailable: logged, and NCCL is used)."""
+    if device.type != "cuda" or size not in SIZES or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    try:
+        return OneShotAllReduce(group, device, dtype)
+    except (RuntimeError, ImportError, AttributeError) as e:  # no P2P between the GPUs, a torch without it
+        logger.info("one-shot all-reduce unavailable (%s: %s); NCCL carries every all-reduce", type(e).__name__, e)
+        return None
