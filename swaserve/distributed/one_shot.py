@@ -44,11 +44,12 @@ class OneShotAllReduce:
         self._out = ops.one_shot_all_reduce_out
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether `x` goes one-shot: this dtype, contiguous, within the buffer, and a whole number of
-        4-byte words (the kernel's smallest vector)."""
-        n = x.numel()
+        """Whether `x` goes one-shot: this dtype, contiguous, within the buffer, a whole number of 4-byte
+        words (the kernel's smallest vector), and starting 16-byte aligned in its storage like the
+        buffer does (the kernel vectorises both alike and refuses a mismatch)."""
+        n, size = x.numel(), x.element_size()
         return (x.dtype == self.dtype and x.is_contiguous() and 0 < n <= self.capacity
-                and (n * x.element_size()) % 4 == 0)
+                and (n * size) % 4 == 0 and (x.storage_offset() * size) % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place. Each block of the kernel copies and later overwrites

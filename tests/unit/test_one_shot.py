@@ -24,6 +24,9 @@ def test_fits_only_contiguous_messages_of_its_dtype_within_the_buffer():
     assert not one.fits(torch.zeros(256, 4, dtype=torch.bfloat16).t())  # not contiguous
     assert not one.fits(torch.zeros(3, dtype=torch.bfloat16))  # 6 bytes: not whole 4-byte words
     assert not one.fits(torch.zeros(0, dtype=torch.bfloat16))
+    rows = torch.zeros(3, 260, dtype=torch.bfloat16)
+    assert one.fits(rows[2:])  # starts 1040 bytes in: 16-byte aligned
+    assert not one.fits(rows.view(-1)[2:10])  # starts 4 bytes in
 
 
 class _Recorder:
