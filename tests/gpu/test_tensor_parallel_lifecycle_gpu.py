@@ -20,6 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from common import GEMMA3_SHAPES  # noqa: E402
 
+from engine_driver import record  # noqa: E402
+
 from swaserve import LLM, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
@@ -82,6 +84,8 @@ def test_tp2_greedy_fp32_equals_tp1_on_real_shape_dummy_weights(shape_dir):
         assert llm.engine.runner.graph_runner is not None and llm.engine.overlap
         two = greedy(llm)
         llm.engine.check_integrity()
+        closing = time.monotonic()
+    record({"test": "tp2_close_seconds", "seconds": round(time.monotonic() - closing, 2)})
     assert len({tuple(t) for t in one}) > 1, "the dummy model's tokens depend on the prompt"
     assert two == one
 
