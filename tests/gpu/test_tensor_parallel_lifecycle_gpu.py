@@ -18,11 +18,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from common import GEMMA3_SHAPES  # noqa: E402
+from common import GEMMA3_SHAPES
+from engine_driver import record
 
-from engine_driver import record  # noqa: E402
-
-from swaserve import LLM, SamplingParams  # noqa: E402
+from swaserve import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 GIB = 1 << 30
