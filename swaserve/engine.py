@@ -5,19 +5,21 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import Self
 
+from swaserve.admission import check_options, prompt_ids
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
 from swaserve.grammar import GrammarCompiler, SequenceGrammar
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
-from swaserve.request import CompletionOutput, ListSlice, RequestOutput, SamplingParams
+from swaserve.request import RequestOutput, SamplingParams
+from swaserve.request_group import RequestGroup, SeqDelta, group_output, prompt_logprobs_of
 from swaserve.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -28,48 +30,6 @@ if TYPE_CHECKING:
 class EngineStats:
     prompt_tokens_total: int = 0
     retractions_total: int = 0
-
-
-class SeqDelta(NamedTuple):
-    """What one step added to one sequence (the engine core's per-step report; no cumulative lists)."""
-
-    request_id: str  # the user's request id
-    index: int  # which of its n sequences
-    token_ids: list[int]  # the tokens this step appended
-    logprobs: list[dict[int, float]] | None  # theirs, when asked for
-    finish_reason: str | None  # set on the sequence's last delta
-    # On the sequence's first delta only (None after): prompt tokens served from the prefix cache,
-    # and the sampling seed in use (the request's own, or the one deterministic mode drew).
-    cached_tokens: int | None = None
-    seed: int | None = None
-    # Speculative decoding: (drafted, accepted) tokens of this sequence so far; None: none drafted.
-    spec: tuple[int, int] | None = None
-    # First delta, SamplingParams.prompt_logprobs: ({token: logprob} per prompt token after the first, ranks).
-    prompt_logprobs: tuple[list[dict[int, float]], list[int]] | None = None
-
-
-@dataclass
-class _Group:
-    """One user request: its prompt and its n sequences."""
-
-    prompt: str | None
-    prompt_ids: list[int]
-    reqs: list[Req] = field(default_factory=list)
-    seed: int | None = None  # the sampling seed in use (RequestOutput.seed)
-
-    @property
-    def finished(self) -> bool:
-        for r in self.reqs:
-            if not r.finished:
-                return False
-        return True
-
-
-def _prompt_logprobs(r: Req) -> tuple[list[dict[int, float]], list[int]] | None:
-    """A sequence's prompt logprobs and ranks, once every prompt position is scored (None otherwise)."""
-    if r.params.prompt_logprobs is None or r.index != 0 or len(r.prompt_lps or ()) < r.prompt_len - 1:
-        return None
-    return list(r.prompt_lps or ()), list(r.prompt_ranks or ())
 
 
 class Engine:
@@ -155,7 +115,7 @@ class Engine:
         self.closed = False
         # Holds the attribute dict, not the engine: dropping the engine runs it (`release_engine`).
         self._release = weakref.finalize(self, release_engine, self.__dict__, self.device)
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
         self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)
         self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last launch
 
@@ -169,14 +129,14 @@ class Engine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = prompt_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         self.scheduler.check_fits(len(ids), params.max_tokens)
-        self._check_options(params)
+        check_options(params, self.model_config.vocab_size, self.tp is not None)
         if self.runner.deterministic and params.seed is None and not params.is_greedy:
             # Deterministic mode: every draw is reproducible; the seed is reported for a resend.
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         compiled = self._compile_constraint(params) if params.structured_outputs is not None else None
-        group = _Group(text, ids, seed=params.seed)
+        group = RequestGroup(text, ids, seed=params.seed)
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None and self.detokenize:
@@ -190,14 +150,6 @@ class Engine:
         self._groups[request_id] = group
         self.stats.prompt_tokens_total += len(ids)
 
-    def _check_options(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:5]}")
-        if params.prompt_logprobs is not None and self.tp is not None:
-            raise ValueError("prompt_logprobs (and echo with logprobs) are not supported with tensor parallelism")
-
     def _compile_constraint(self, params: SamplingParams) -> Any:
         """The compiled grammar of `params.structured_outputs` (cached); ValueError when it does not parse.
         Compiling runs here, in the engine's thread: a new schema holds the step loop for its compile time
@@ -209,23 +161,6 @@ class Engine:
                                             self._grammar_cache_size)
         assert params.structured_outputs is not None
         return self.grammars.compile(params.structured_outputs)  # type: ignore[arg-type]
-
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            vocab = self.model_config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-            return None, list(prompt)
-        raise ValueError("a prompt must be a string or a list of token ids")
 
     def abort(self, request_id: str) -> None:
         if self.closed:
@@ -298,7 +233,7 @@ class Engine:
                                    r.finish_reason, (r.num_cached_tokens or 0) if first else None,
                                    r.params.seed if first else None,
                                    (r.spec_drafted, r.spec_accepted) if r.spec_drafted else None,
-                                   _prompt_logprobs(r) if first else None))
+                                   prompt_logprobs_of(r) if first else None))
             if r.finish_reason is not None:
                 group = self._groups.get(r.group_id)
                 if group is not None and group.finished:
@@ -335,29 +270,10 @@ class Engine:
                 continue
             finished = group.finished
             if finished or not finished_only:
-                outs.append(self._output(gid, group, finished))
+                outs.append(group_output(gid, group, finished))
             if finished:
                 del self._groups[gid]
         return outs
-
-    @staticmethod
-    def _output(gid: str, group: _Group, finished: bool) -> RequestOutput:
-        # Running completions are reported as O(1) snapshots of their append-only token lists.
-        comps = []
-        for r in group.reqs:
-            ids: Any = r.ids[r.prompt_len :] if r.finished else ListSlice(r.ids, r.prompt_len, len(r.ids))
-            lps = r.output_logprobs
-            if lps is not None:
-                lps = list(lps) if r.finished else ListSlice(lps, 0, len(lps))
-            text = r.detok.text if r.detok is not None else ""
-            comps.append(CompletionOutput(r.index, text, ids, lps, r.finish_reason))  # type: ignore[arg-type]
-        cached = min(r.num_cached_tokens or 0 for r in group.reqs)
-        scored = _prompt_logprobs(group.reqs[0])
-        return RequestOutput(gid, group.prompt, group.prompt_ids, comps, finished, num_cached_tokens=cached,
-                             seed=group.seed, spec_draft_tokens=sum(r.spec_drafted for r in group.reqs),
-                             spec_accepted_tokens=sum(r.spec_accepted for r in group.reqs),
-                             prompt_logprobs=None if scored is None else [None, *scored[0]],
-                             prompt_logprob_ranks=None if scored is None else [None, *scored[1]])
 
     def counters(self) -> dict[str, int]:
         """`memory_stats()` plus the token, retraction and prefix-cache totals: the names /metrics
