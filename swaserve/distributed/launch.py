@@ -63,9 +63,11 @@ def free_local_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, ordered: bool = False) -> TPGroup:
+def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, ordered: bool = False,
+              expert_parallel: bool = False) -> TPGroup:
     """Join the group (NCCL on GPUs, gloo on CPU, plus a gloo group for host messages) and make it
-    this process's tensor-parallel group (`ordered`: deterministic mode's rank-order all-reduce)."""
+    this process's tensor-parallel group (`ordered`: deterministic mode's rank-order all-reduce;
+    `expert_parallel`: MoE layers built next hold whole experts)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -74,16 +76,19 @@ def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, 
                             timeout=timedelta(minutes=30), **kw)
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    group = TPGroup(rank, world_size, world, cpu_group, ordered)
+    group = TPGroup(rank, world_size, world, cpu_group, ordered, expert_parallel)
     set_tp_group(group)
     return group
 
 
-def ordered_sums(engine_options: dict[str, Any]) -> bool:
-    """Deterministic mode: every all-reduce sums in rank order (`distributed.state.all_reduce`)."""
+def group_options(engine_options: dict[str, Any]) -> dict[str, bool]:
+    """`init_rank`'s keywords from the engine options: `ordered` (deterministic mode: every all-reduce
+    sums in rank order, `distributed.state.all_reduce`) and `expert_parallel`."""
     from swaserve.config import split_engine_options
 
-    return bool(split_engine_options(engine_options)[2].enable_deterministic_inference)
+    _, _, runner, par, _ = split_engine_options(engine_options)
+    return {"ordered": bool(runner.enable_deterministic_inference),
+            "expert_parallel": bool(par.enable_expert_parallel)}
 
 
 class RankProcesses:
@@ -153,5 +158,5 @@ def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dt
                       engine_options, os.getpid()) for r in range(first + 1, first + per_node)]
     procs = RankProcesses(specs, run_rank)
     group = init_rank(first, par.tensor_parallel_size, addr, rank_device(device, first, par),
-                      ordered_sums(engine_options))
+                      **group_options(engine_options))
     return group, procs
