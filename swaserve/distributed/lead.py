@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 
 
 def check_model_splits(model: str | None, size: int, expert_parallel: bool = False) -> None:
-    """ValueError when `size` ranks cannot split the model (heads, widths, experts), or when expert
-    parallelism is asked of a model without routed experts: built on the meta device as rank 0 of
-    `size`, before any process starts."""
+    """ValueError when `size` ranks cannot split the model (heads, widths, experts, FP8 blocks), or when
+    expert parallelism is asked of a model without routed experts: built on the meta device as ranks 0
+    and 1 of `size` (rank 1's cuts are the first that can fall inside an FP8 block), before any process
+    starts."""
     from swaserve.config import ModelConfig
     from swaserve.distributed.state import ExpertSplit
     from swaserve.loader import load_hf_config
@@ -39,10 +40,11 @@ def check_model_splits(model: str | None, size: int, expert_parallel: bool = Fal
     hf = load_hf_config(model)
     cls = get_model_class(ModelConfig.from_hf(hf).architecture, getattr(hf, "model_type", None))
     before = tp_group()
-    set_tp_group(TPGroup(0, size, expert_parallel=expert_parallel))
     try:
-        with torch.device("meta"):
-            built = cls(hf)
+        for rank in range(min(size, 2)):
+            set_tp_group(TPGroup(rank, size, expert_parallel=expert_parallel))
+            with torch.device("meta"):
+                built = cls(hf)
     finally:
         set_tp_group(before)
     if expert_parallel and not any(isinstance(getattr(m, "expert_split", None), ExpertSplit)
