@@ -6,7 +6,12 @@ time splits between prefill, mixed (decodes + prefill chunks) and decode steps (
 step() returns, by the step finished).
 
     python benchmarks/offline_throughput.py [--shape 1b] [--runs 2]
+    python benchmarks/offline_throughput.py --shape gemma4-26b-a4b --max-running-requests 128 --tp 2 \
+        [--enable-expert-parallel]                       # ranks load `--load-format dummy` from a config dir
     python benchmarks/offline_throughput.py --smoke     # tiny CPU run (CI)
+
+Under `--tp N` the roofline counts rank 0's bytes (its weights, its K/V heads) against one device's
+bandwidth: the ranks read theirs at the same time.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    bench_device, bench_dtype, copy_bandwidth, hardware, new_compiles, now, param_bytes, parse_args,
+    bench_device, bench_dtype, copy_bandwidth, hardware, model_dir, new_compiles, now, param_bytes, parse_args,
     random_model,
 )
 
@@ -42,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-prefill-tokens", type=int, default=16384, help="prefill tokens per step")
     ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                     help="overlap scheduling (auto: the engine's default, on for CUDA)")
+    ap.add_argument("--max-running-requests", type=int, default=None, help="default: --num-requests")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="with --tp: each rank holds whole experts (1/N of them) instead of 1/N of every expert")
     a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=6, min_input=8, max_input=48, output_len=6,
                                         runs=2, overlap="on",
                                         max_prefill_tokens=64))
@@ -51,16 +60,21 @@ def main(argv: list[str] | None = None) -> None:
     dev = bench_device(a.smoke)
     dtype = bench_dtype(dev)
     bw = copy_bandwidth(dev)
-    loaded = random_model(a.shape, dev, dtype)
     overlap = {"auto": None, "on": True, "off": False}[a.overlap]
-    engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=a.num_requests,
+    if a.tp > 1 or a.enable_expert_parallel:  # each rank builds its own shard: a config directory, dummy weights
+        source: object = model_dir(a.shape)
+        parallel = {"load_format": "dummy", "tensor_parallel_size": a.tp,
+                    "enable_expert_parallel": a.enable_expert_parallel}
+    else:
+        source, parallel = random_model(a.shape, dev, dtype), {}
+    engine = Engine(source, device=dev, dtype=dtype, max_running_requests=a.max_running_requests or a.num_requests,
                     max_context=a.max_input + a.output_len + 8, max_prefill_tokens=a.max_prefill_tokens,
-                    overlap_schedule=overlap)
+                    overlap_schedule=overlap, **parallel)
     rng = random.Random(a.seed)
     lens = [rng.randint(a.min_input, a.max_input) for _ in range(a.num_requests)]
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-    weights = param_bytes(loaded.model)
-    cfg = loaded.config
+    weights = param_bytes(engine.runner.model)  # rank 0's
+    cfg = engine.model_config
     full_b, swa_b, W = cfg.full_group.bytes_per_token(dtype), cfg.swa_group.bytes_per_token(dtype), cfg.sliding_window or 0
     # warm-up (graphs are captured at start; this warms the prefill kernels)
     warm = list(range(10, 10 + min(290, a.max_input)))
@@ -69,12 +83,16 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
     for run in range(a.runs):
         r = one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W)
-        print(json.dumps(dict(run=run, **r)))
-        print(f"\noffline {a.shape}: {a.num_requests} reqs, in {a.min_input}-{a.max_input}, out {a.output_len}: "
+        layout = {"tp": a.tp, "expert_parallel": a.enable_expert_parallel,
+                  "max_running_requests": a.max_running_requests or a.num_requests}
+        print(json.dumps(dict(run=run, **layout, **r)))
+        print(f"\noffline {a.shape} tp={a.tp}{' ep' if a.enable_expert_parallel else ''}: "
+              f"{a.num_requests} reqs, in {a.min_input}-{a.max_input}, out {a.output_len}: "
               f"{r['out_tok_per_s']} out tok/s, {r['roofline_frac'] * 100:.1f}% of roofline over the run, "
               f"{r['seconds']:.1f} s (prefill steps {r['prefill_s']} s, mixed steps {r['mixed_s']} s, "
               f"decode steps {r['decode_s']} s); Triton compiles during the run: "
               f"{r['compiles_during_run'] or 'none'}", flush=True)
+    engine.close()
 
 
 def one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W) -> dict:

@@ -17,7 +17,9 @@
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 34: svo_url (the
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
-# tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py). Logs in $OUT/<step>.log;
+# tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py); for issue 36: ep_g4 (2 GPUs: offline output
+# tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
+# table; EP_ARGS adds offline_throughput.py options). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -204,6 +206,30 @@ print(model_dir('$shape', tokenizer='words'))")
                 --num-requests 200 --concurrency 128 --window 128 --max-tokens 256 -- --max-running-requests 128 \
                 --max-context 4096 --enable-piecewise-cuda-graph
             echo "   server log warnings: $(grep -ciE 'warn' "$OUT/$step.log")" ;;
+        ep_g4)  # issue 36: experts split over 2 GPUs vs their widths vs one GPU, the same 256 requests at 128 running
+            for v in "tp1|--tp 1" "tp2|--tp 2" "tp2_ep|--tp 2 --enable-expert-parallel"; do
+                # shellcheck disable=SC2086  # the layout's flags are words
+                run "ep_g4_${v%%|*}" 480 python3 benchmarks/offline_throughput.py --shape gemma4-26b-a4b \
+                    --num-requests 256 --max-running-requests 128 ${v#*|} ${EP_ARGS:-}
+            done
+            python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+rows = []
+for name in ("tp1", "tp2", "tp2_ep"):
+    log = pathlib.Path(sys.argv[1]) / f"ep_g4_{name}.log"
+    runs = [json.loads(l) for l in log.read_text().splitlines() if l.startswith('{"run"')] if log.exists() else []
+    rows.append((name, runs[-1] if runs else None))
+base = rows[0][1]["out_tok_per_s"] if rows[0][1] else None
+print(f"\n{'layout':8} {'out tok/s':>10} {'vs TP=1':>8} {'seconds':>8} {'decode s':>9} {'retract':>8}  device")
+for name, r in rows:
+    if r is None:
+        print(f"{name:8} {'failed':>10}")
+        continue
+    ratio = f"{r['out_tok_per_s'] / base:.2f}x" if base else "-"
+    print(f"{name:8} {r['out_tok_per_s']:>10.1f} {ratio:>8} {r['seconds']:>8.1f} {r['decode_s']:>9.1f} "
+          f"{r['retractions']:>8}  {r['hardware']}")
+PY
+            ;;
         capacity)
             run capacity 170 python3 benchmarks/memory_capacity.py --shape gemma4-26b-a4b --kv-gib 12 --context 8192 ;;
         *) echo "unknown step $step" ;;

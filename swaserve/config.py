@@ -268,10 +268,15 @@ class RunnerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism: one process per rank, each with its shard of the model and its own pools."""
+    """Tensor parallelism: one process per rank, each with its shard of the model and its own pools
+    (expert parallelism: the MoE layers' shard is a run of whole experts)."""
 
     tensor_parallel_size: int = _opt(1, "ranks (devices) the model is split over: attention heads, MLP and "
                                      "expert widths, vocabulary", alt_flags=("--tp",))
+    enable_expert_parallel: bool = _opt(
+        False, "MoE models under --tp N: each rank holds 1/N of the routed experts whole instead of 1/N of every "
+        "expert's width (attention stays tensor-parallel); each rank runs the tokens routed to its experts and "
+        "the MoE's all-reduce sums the ranks")
     nnodes: int = _opt(1, "nodes the tensor-parallel ranks span (ranks split evenly)")
     node_rank: int = _opt(0, "this node's index (0 runs the engine and the server; others only ranks)")
     dist_init_addr: str | None = _opt(None, "HOST:PORT of node 0 for torch.distributed's rendezvous "
@@ -347,6 +352,9 @@ def split_engine_options(
         raise ValueError("swa_evict_chunk must be >= 1 and swa_evict_margin >= 0")
     if par.tensor_parallel_size < 1 or par.nnodes < 1 or not 0 <= par.node_rank < par.nnodes:
         raise ValueError("tensor_parallel_size and nnodes must be >= 1 and node_rank in [0, nnodes)")
+    if par.enable_expert_parallel and par.tensor_parallel_size == 1:
+        raise ValueError("enable_expert_parallel splits the experts over the tensor-parallel ranks: it needs "
+                         "tensor_parallel_size > 1")
     if par.tensor_parallel_size % par.nnodes:
         raise ValueError(f"nnodes {par.nnodes} must divide tensor_parallel_size {par.tensor_parallel_size}")
     if par.nnodes > 1 and not par.dist_init_addr:

@@ -65,10 +65,11 @@ def free_local_addr() -> str:
 
 
 def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, ordered: bool = False,
-              one_shot_dtype: torch.dtype | None = None) -> TPGroup:
+              expert_parallel: bool = False, one_shot_dtype: torch.dtype | None = None) -> TPGroup:
     """Join the group (NCCL on GPUs, gloo on CPU, plus a gloo group for host messages) and make it
     this process's tensor-parallel group (`ordered`: deterministic mode's rank-order all-reduce;
-    `one_shot_dtype`: set up the one-shot all-reduce for messages of that dtype, `one_shot.py`)."""
+    `expert_parallel`: MoE layers built next hold whole experts; `one_shot_dtype`: set up the one-shot
+    all-reduce for messages of that dtype, `one_shot.py`)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -78,23 +79,22 @@ def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, 
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
     one_shot = build_one_shot(world, world_size, device, one_shot_dtype) if one_shot_dtype is not None else None
-    group = TPGroup(rank, world_size, world, cpu_group, ordered, one_shot)
+    group = TPGroup(rank, world_size, world, cpu_group, ordered=ordered, expert_parallel=expert_parallel,
+                    one_shot=one_shot)
     set_tp_group(group)
     return group
 
 
-def one_shot_dtype(engine_options: dict[str, Any], dtype: Any) -> torch.dtype | None:
-    """The dtype the one-shot all-reduce serves (the model's), or None when the option turns it off."""
+def group_options(engine_options: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    """`init_rank`'s keywords from the engine options and the model's dtype: `ordered` (deterministic
+    mode: every all-reduce sums in rank order, `distributed.state.all_reduce`), `expert_parallel`, and
+    `one_shot_dtype` (the model's dtype, None when --disable-custom-all-reduce turns it off)."""
     from swaserve.config import split_engine_options
 
-    return None if split_engine_options(engine_options)[3].disable_custom_all_reduce else dtype
-
-
-def ordered_sums(engine_options: dict[str, Any]) -> bool:
-    """Deterministic mode: every all-reduce sums in rank order (`distributed.state.all_reduce`)."""
-    from swaserve.config import split_engine_options
-
-    return bool(split_engine_options(engine_options)[2].enable_deterministic_inference)
+    _, _, runner, par, _ = split_engine_options(engine_options)
+    return {"ordered": bool(runner.enable_deterministic_inference),
+            "expert_parallel": bool(par.enable_expert_parallel),
+            "one_shot_dtype": None if par.disable_custom_all_reduce else dtype}
 
 
 class RankProcesses:
@@ -164,5 +164,5 @@ def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dt
                       engine_options, os.getpid()) for r in range(first + 1, first + per_node)]
     procs = RankProcesses(specs, run_rank)
     group = init_rank(first, par.tensor_parallel_size, addr, rank_device(device, first, par),
-                      ordered_sums(engine_options), one_shot_dtype(engine_options, dtype))
+                      **group_options(engine_options, dtype))
     return group, procs

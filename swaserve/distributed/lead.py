@@ -27,22 +27,30 @@ if TYPE_CHECKING:
     from swaserve.runtime import Runtime
 
 
-def check_model_splits(model: str | None, size: int) -> None:
-    """ValueError when `size` ranks cannot split the model (heads, widths): built on the meta device
-    as rank 0 of `size`, before any process starts."""
+def check_model_splits(model: str | None, size: int, expert_parallel: bool = False) -> None:
+    """ValueError when `size` ranks cannot split the model (heads, widths, experts, FP8 blocks), or when
+    expert parallelism is asked of a model without routed experts: built on the meta device as ranks 0
+    and 1 of `size` (rank 1's cuts are the first that can fall inside an FP8 block), before any process
+    starts."""
     from swaserve.config import ModelConfig
+    from swaserve.distributed.state import ExpertSplit
     from swaserve.loader import load_hf_config
     from swaserve.models.registry import get_model_class
 
     hf = load_hf_config(model)
     cls = get_model_class(ModelConfig.from_hf(hf).architecture, getattr(hf, "model_type", None))
     before = tp_group()
-    set_tp_group(TPGroup(0, size))
     try:
-        with torch.device("meta"):
-            cls(hf)
+        for rank in range(min(size, 2)):
+            set_tp_group(TPGroup(rank, size, expert_parallel=expert_parallel))
+            with torch.device("meta"):
+                built = cls(hf)
     finally:
         set_tp_group(before)
+    if expert_parallel and not any(isinstance(getattr(m, "expert_split", None), ExpertSplit)
+                                   for m in built.modules()):
+        raise ValueError(f"enable_expert_parallel: {cls.__name__} has no routed experts to split over the ranks; "
+                         "drop the flag (tensor parallelism splits its MLPs)")
 
 
 class StepLead:
@@ -135,7 +143,7 @@ class TensorParallel:
         if runner_cfg.enable_cpu_graph:
             raise ValueError("enable_cpu_graph does not support tensor parallelism yet (the decode graph "
                              "would have to trace the collectives); run the CPU ranks eagerly")
-        check_model_splits(model, par.tensor_parallel_size)
+        check_model_splits(model, par.tensor_parallel_size, par.enable_expert_parallel)
         check_no_open_group()
         group, procs = start_ranks(par, model, device, dtype, engine_options, run_rank)
         return cls(group, procs, rank_device(device, 0, par))

@@ -1,5 +1,6 @@
 """This process's place in the tensor-parallel group (rank, size, the torch.distributed groups), the
-collectives the model layers call, and the arithmetic of who holds which heads and vocabulary rows.
+collectives the model layers call, and the arithmetic of who holds which heads, vocabulary rows and
+routed experts.
 
 Set once per process by `init_tensor_parallel` before the model is built; at size 1 every collective
 is the identity and nothing here touches torch.distributed.
@@ -21,6 +22,8 @@ class TPGroup:
     """`group`: the device group (NCCL on GPUs, gloo on CPU) the layers' collectives run on;
     `cpu_group`: a gloo group for host messages (the step broadcast), the same group on CPU;
     `ordered` (deterministic mode): `all_reduce` sums the ranks' partials in rank order;
+    `expert_parallel` (`--enable-expert-parallel`): MoE layers give each rank whole experts
+    (`split_experts`) instead of a share of every expert's width;
     `one_shot`: the peer-memory all-reduce for small messages (`one_shot.OneShotAllReduce`), or None."""
 
     rank: int = 0
@@ -28,6 +31,7 @@ class TPGroup:
     group: Any = None
     cpu_group: Any = None
     ordered: bool = False
+    expert_parallel: bool = False
     one_shot: Any = None
 
     @property
@@ -175,3 +179,46 @@ def vocab_shard(vocab_size: int, rank: int | None = None, size: int | None = Non
     padded = -(-vocab_size // size)
     start = min(rank * padded, vocab_size)
     return start, min(padded, vocab_size - start), padded
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """The routed experts one rank holds: global ids `start .. start + count - 1` of `total`. Without
+    expert parallelism that is all of them (each cut to a share of its width); with it, rank r holds
+    whole experts, `total // size` of them plus one for each of the first `total % size` ranks. The
+    router stays whole on every rank; a (token, slot) pair routed to another rank's expert adds nothing
+    here (`layers.fused_moe.moe_experts`' `expert_start`) and the MoE's all-reduce sums the ranks."""
+
+    total: int
+    start: int
+    count: int
+
+    @property
+    def parallel(self) -> bool:
+        return self.count < self.total
+
+    def holds(self, expert: int) -> bool:
+        return self.start <= expert < self.start + self.count
+
+    def local(self, expert: int) -> int:
+        """Global expert id -> this rank's index of it; ValueError when another rank holds it."""
+        if not self.holds(expert):
+            raise ValueError(f"expert {expert} is held by another rank (this one holds "
+                             f"{self.start}..{self.start + self.count - 1})")
+        return expert - self.start
+
+
+def split_experts(num_experts: int, rank: int | None = None, size: int | None = None,
+                  parallel: bool | None = None) -> ExpertSplit:
+    """This rank's `ExpertSplit` of `num_experts` (all of them unless the group is expert-parallel);
+    ValueError when there are fewer experts than ranks (a rank would hold none)."""
+    rank = _TP.rank if rank is None else rank
+    size = _TP.size if size is None else size
+    parallel = _TP.expert_parallel if parallel is None else parallel
+    if not parallel or size == 1:
+        return ExpertSplit(num_experts, 0, num_experts)
+    if num_experts < size:
+        raise ValueError(f"expert parallelism over {size} ranks needs at least {size} experts per MoE layer; "
+                         f"this model has {num_experts}")
+    base, extra = divmod(num_experts, size)
+    return ExpertSplit(num_experts, rank * base + min(rank, extra), base + (rank < extra))

@@ -37,7 +37,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 def run_rank(spec: RankSpec) -> None:
     """Process entry point of rank `spec.rank`."""
     from swaserve.config import split_engine_options
-    from swaserve.distributed.launch import init_rank, one_shot_dtype, ordered_sums
+    from swaserve.distributed.launch import group_options, init_rank
     from swaserve.distributed.state import gather_vocab_tables
     from swaserve.engine_setup import load_engine_model
     from swaserve.runtime import build_runtime, size_runtime, start_runner
@@ -46,8 +46,8 @@ def run_rank(spec: RankSpec) -> None:
     if spec.parent_pid:
         _exit_with_parent(spec.parent_pid)
     device = torch.device(spec.device)
-    group = init_rank(spec.rank, spec.world_size, spec.init_addr, device, ordered_sums(spec.engine_options),
-                      one_shot_dtype(spec.engine_options, spec.dtype))
+    group = init_rank(spec.rank, spec.world_size, spec.init_addr, device,
+                      **group_options(spec.engine_options, spec.dtype))
     cache_cfg, sched_cfg, runner_cfg, _, spec_cfg = split_engine_options(spec.engine_options)
     loaded, config = load_engine_model(spec.model, device, spec.dtype, sched_cfg, runner_cfg)
     if spec_cfg.speculative_method is None:

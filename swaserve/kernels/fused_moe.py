@@ -1,7 +1,8 @@
 """Fused MoE experts on the GPU: (token, slot) pairs sorted into per-expert blocks without a host sync
 (`align_pairs`), then two grouped GEMMs over those blocks (`kernels.moe_gemm`: dense, MXFP4 or block-FP8 weights,
 optional biases, the gated activation fused into the first), and a fixed-order combine (`fused_moe`).
-Capturable in a CUDA graph: every buffer is sized from n."""
+Capturable in a CUDA graph: every buffer is sized from n. Under expert parallelism the weights hold a run
+of the experts (`expert_start ..`): pairs routed outside it sort into no block and add nothing."""
 
 from __future__ import annotations
 
@@ -32,13 +33,16 @@ def align_pairs(
     block_m: int,
     row_valid: torch.Tensor | None = None,  # [n] bool: False rows route nothing
     use_kernel: bool | None = None,  # None: the one-program kernel when n*k <= ALIGN_KERNEL_MAX_PAIRS
+    expert_start: int = 0,  # expert parallelism: the weights hold global experts expert_start + 0..E-1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the n*k pairs by expert into blocks of `block_m` rows, one expert per block.
 
     Returns `sorted_pairs` `[blocks * block_m]` int32 (pair index t*k + j, or the sentinel n*k in
     padding) and `block_expert` `[blocks]` int32 (-1: an unused block), `blocks = num_blocks(...)`.
-    Used blocks come first, experts in ascending order, each expert's pairs in token order. Both
-    paths give identical results and use only device work sized from n: no host sync."""
+    Used blocks come first, experts in ascending order (local index `topk_ids - expert_start`), each
+    expert's pairs in token order; pairs whose expert is outside `expert_start .. + E - 1` (another
+    rank's) are left out like invalid rows'. Both paths give identical results and use only device
+    work sized from n: no host sync."""
     n, k = topk_ids.shape
     N, E, dev = n * k, num_experts, topk_ids.device
     blocks = num_blocks(N, E, block_m)
@@ -50,12 +54,15 @@ def align_pairs(
         _align_kernel[(1,)](
             ids, valid, sorted_pairs, block_expert, N, blocks,
             TOP_K=k, E=E, E_PAD=triton.next_power_of_2(E), HAS_VALID=row_valid is not None,
-            BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, num_warps=4, **pdl_kwargs(ids),
+            EXPERT_START=expert_start, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, num_warps=4, **pdl_kwargs(ids),
         )
         return sorted_pairs, block_expert
     ids = topk_ids.reshape(-1).long()
+    if expert_start:
+        ids = ids - expert_start
     if row_valid is not None:
         ids = torch.where(row_valid[:, None].expand(n, k).reshape(-1), ids, E)  # sentinel expert E sorts last
+    ids = torch.where((ids >= 0) & (ids < E), ids, E)  # another rank's expert: the sentinel too
     counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))[:E]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)  # [E] padded end of each expert's run
@@ -79,7 +86,7 @@ def align_pairs(
 def _align_kernel(
     ids_ptr, valid_ptr, sorted_pairs, block_expert, num_pairs, blocks,
     TOP_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+    EXPERT_START: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """`align_pairs` in one program: count pairs per expert, lay the padded runs out, then place each
     pair at its run's start plus its rank among the expert's pairs (token order), chunk by chunk.
@@ -89,7 +96,7 @@ def _align_kernel(
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
         p = p0 + tl.arange(0, CHUNK)
-        e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID)
+        e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID, EXPERT_START, E)
         counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)  # [E_PAD] padded end of each run; runs of experts >= E are empty
@@ -111,7 +118,7 @@ def _align_kernel(
     seen = tl.zeros([E_PAD], dtype=tl.int32)  # pairs of each expert placed by earlier chunks
     for p0 in range(0, num_pairs, CHUNK):
         p = p0 + tl.arange(0, CHUNK)
-        e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID)
+        e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID, EXPERT_START, E)
         hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD] one-hot (none: invalid)
         before = tl.cumsum(hit, axis=0) - hit  # this expert's pairs earlier in the chunk
         dest = tl.sum(hit * (starts + seen)[None, :] + hit * before, axis=1)
@@ -120,21 +127,26 @@ def _align_kernel(
 
 
 @triton.jit
-def _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K: tl.constexpr, HAS_VALID: tl.constexpr):
-    """Expert of pairs `p` [CHUNK]; -1 past the end and for invalid rows."""
+def _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K: tl.constexpr, HAS_VALID: tl.constexpr,
+                 EXPERT_START: tl.constexpr, E: tl.constexpr):
+    """Local expert of pairs `p` [CHUNK]; -1 past the end, for invalid rows and for experts outside
+    `EXPERT_START .. EXPERT_START + E - 1` (another rank's)."""
     ok = p < num_pairs
     if HAS_VALID:
         ok = ok & (tl.load(valid_ptr + p // TOP_K, mask=ok, other=0) != 0)
-    return tl.where(ok, tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32), -1)
+    e = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32) - EXPERT_START
+    return tl.where(ok & (e >= 0) & (e < E), e, -1)
 
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, w_ptr, out_ptr, valid_ptr, n_cols, stride_y, stride_out,
-    TOP_K: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    y_ptr, w_ptr, ids_ptr, out_ptr, valid_ptr, n_cols, stride_y, stride_out,
+    TOP_K: tl.constexpr, HAS_VALID: tl.constexpr, HAS_SPLIT: tl.constexpr, EXPERT_START: tl.constexpr,
+    E: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """out[t] = sum_j w[t, j] * y[t*K + j], j = 0..K-1 in order, in float32; 0 for an invalid row
-    (whose rows of y were never written: nothing of them is loaded)."""
+    """out[t] = sum_j w[t, j] * y[t*K + j], j = 0..K-1 in order, in float32, over the slots whose
+    expert these weights hold (`HAS_SPLIT`: `EXPERT_START .. + E - 1`, else all); 0 for an invalid row. Rows of y no pair
+    wrote (an invalid row, another rank's expert) are never loaded."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -144,8 +156,12 @@ def _combine_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        yj = tl.load(y_ptr + (t * TOP_K + j) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-        acc += tl.where(ok, wj * yj, 0.0)
+        here = ok
+        if HAS_SPLIT:
+            ej = tl.load(ids_ptr + t * TOP_K + j + 0 * cols).to(tl.int32) - EXPERT_START  # broadcast load
+            here = here & (ej >= 0) & (ej < E)
+        yj = tl.load(y_ptr + (t * TOP_K + j) * stride_y + cols, mask=here, other=0.0).to(tl.float32)
+        acc += tl.where(here, wj * yj, 0.0)
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
@@ -179,9 +195,12 @@ def fused_moe(
     limit: float | None = None,  # swiglu_oai's clamp
     block_k: int | None = None,  # inputs per GEMM step (default: kernels.moe_gemm's per format)
     tuning: dict | None = None,  # benchmarks: moe_gemm's num_warps / num_stages / mx_mode / block_n for both GEMMs
+    expert_start: int | None = None,  # expert parallelism: the weights hold global experts expert_start + 0..E-1
 ) -> torch.Tensor:  # [n, H], x's dtype
     """sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], summed over j in order
     in float32; rows with `row_valid` False are 0. Four launches, none of them waiting on the host.
+    `expert_start` (expert parallelism): ids are global and the weights hold experts `expert_start ..
+    expert_start + E - 1`; the sum runs over the slots routed to those only (the others add nothing).
     Biases, when given, are added to each GEMM's output before the activation / the combine.
     `batch_invariant`: 64-row blocks and 64-column tiles whatever n (no K split either way), so a
     token's expert outputs do not depend on how many tokens share the call (and FP8 weights run
@@ -200,7 +219,7 @@ def fused_moe(
     if n == 0:
         return torch.zeros_like(x)
     bm = block_m or (64 if batch_invariant else _block_m(n * k, E))
-    sorted_pairs, block_expert = align_pairs(topk_ids, E, bm, row_valid)
+    sorted_pairs, block_expert = align_pairs(topk_ids, E, bm, row_valid, expert_start=expert_start or 0)
     h = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
     y = torch.empty(n * k, H, dtype=x.dtype, device=x.device)  # [pairs, H]
     bn = 64
@@ -226,7 +245,8 @@ def fused_moe(
     ha, hs = quant_fp8_groups(h) if act_fp8 else (h, None)
     moe_gemm(ha, w_down, down_scales, down_bias, y, sorted_pairs, block_expert, n * k, top_k=k,
              a_per_token=False, gated=False, block_m=bm, block_n=bn, block_k=block_k, a_scales=hs, **tune)
-    return combine(y, topk_weights, row_valid, x.dtype)
+    held = {} if expert_start is None else {"topk_ids": topk_ids, "expert_start": expert_start, "num_experts": E}
+    return combine(y, topk_weights, row_valid, x.dtype, **held)
 
 
 def combine(
@@ -235,16 +255,23 @@ def combine(
     row_valid: torch.Tensor | None,  # [n] bool
     dtype: torch.dtype,
     block: int = 512,
+    topk_ids: torch.Tensor | None = None,  # [n, k] int: with `num_experts`, slots outside the held run add 0
+    expert_start: int = 0,
+    num_experts: int | None = None,  # experts held (None: every slot's)
 ) -> torch.Tensor:  # [n, H] in dtype
     """Weighted sum over each token's k slots in slot order, in float32, in one launch: the order
-    depends on nothing but k, so a row's sum never depends on n, the routing or the scheduling."""
+    depends on nothing but k, so a row's sum never depends on n, the routing or the scheduling.
+    Slots routed to experts outside `expert_start .. + num_experts - 1` are skipped (add exactly 0)."""
     n, k = weights.shape
     assert y.shape[0] == n * k and y.stride(1) == 1, (y.shape, y.stride())
     weights = weights if weights.is_contiguous() else weights.contiguous()
     out = torch.empty(n, y.shape[1], dtype=dtype, device=y.device)
     valid = row_valid.view(torch.uint8) if row_valid is not None else weights  # bool as bytes
+    split = num_experts is not None
+    ids = weights if not split else topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     _combine_kernel[(n, triton.cdiv(y.shape[1], block))](
-        y, weights, out, valid, y.shape[1], y.stride(0), out.stride(0),
-        TOP_K=k, HAS_VALID=row_valid is not None, BLOCK=block, num_warps=4, **pdl_kwargs(y),
+        y, weights, ids, out, valid, y.shape[1], y.stride(0), out.stride(0),
+        TOP_K=k, HAS_VALID=row_valid is not None, HAS_SPLIT=split, EXPERT_START=expert_start, E=num_experts or 1,
+        BLOCK=block, num_warps=4, **pdl_kwargs(y),
     )
     return out

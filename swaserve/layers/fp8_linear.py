@@ -79,8 +79,7 @@ def convert_out(m: OutLinear, online: bool, name: str) -> None:
 
 
 def convert_experts(m: StackedExperts, online: bool, name: str) -> None:
-    local = m.down_proj.shape[2]
-    start = m.tp.rank * local if m.tp.enabled else 0
+    local, start = m.down_proj.shape[2], m.width_start
     if start % BLOCK and not online:
         raise ValueError(f"{name}: this tensor-parallel rank's expert inputs start at {start}, inside a {BLOCK}-input "
                          "FP8 scale block; use a tensor_parallel_size that splits the expert intermediate size on "
@@ -164,10 +163,10 @@ def load_out_param(m: OutLinear, param_name: str, tensor: torch.Tensor, quantize
 def load_expert_part(m: StackedExperts, expert: int, proj: str, param: str, tensor: torch.Tensor,
                      quantize: bool | None) -> None:
     """One expert's HF `gate_proj` / `up_proj` / `down_proj` `weight` or `weight_scale_inv` (whole
-    intermediate size; this rank's part taken here) into the stacked FP8 parameters."""
+    intermediate size; this rank's part taken here) into the stacked FP8 parameters (`expert`: the
+    rank's local index)."""
     spec, local = m.fp8, m.down_proj.shape[2]
-    full = m.hf_intermediate
-    start = m.tp.rank * local if m.tp.enabled else 0
+    full, start = m.hf_intermediate, m.width_start
     if proj == "down_proj":
         w, s = m.down_proj.data[expert], m.down_proj_scale_inv.data[expert]
         if param == "weight":
@@ -206,9 +205,9 @@ def load_expert_part(m: StackedExperts, expert: int, proj: str, param: str, tens
 def load_stacked_param(m: StackedExperts, param_name: str, tensor: torch.Tensor, quantize: bool | None
                        ) -> tuple[str, ...]:
     """Stacked checkpoints (transformers' fused names): `gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I]
-    and their `_scale_inv` block grids, this rank's rows taken; unquantised weights quantised (online)."""
-    local, full = m.down_proj.shape[2], m.hf_intermediate
-    start = m.tp.rank * local if m.tp.enabled else 0
+    and their `_scale_inv` block grids, this rank's rows (or experts) taken; unquantised weights quantised
+    (online)."""
+    local, full, start = m.down_proj.shape[2], m.hf_intermediate, m.width_start
     sr = m.fp8.scale_rows
     if param_name in ("gate_up_proj", "down_proj"):
         scale = getattr(m, f"{param_name}_scale_inv").data
@@ -217,14 +216,16 @@ def load_stacked_param(m: StackedExperts, param_name: str, tensor: torch.Tensor,
                            sr if param_name == "gate_up_proj" else BLOCK)
             return (param_name, f"{param_name}_scale_inv")
         return ()  # e4m3 bytes: the default slice and copy
+    if param_name.endswith("_scale_inv"):
+        tensor = m.tp_slice(param_name, tensor)  # expert parallelism: this rank's experts
     if param_name == "gate_up_proj_scale_inv":
         rows = fp8.expand_scale_rows(tensor, 2 * full)  # [E, 2I, kb]
-        if m.tp.enabled:
+        if local != full:
             rows = torch.cat([rows.narrow(1, start, local), rows.narrow(1, full + start, local)], dim=1)
         _copy(m.gate_up_proj_scale_inv.data, rows[:, ::BLOCK] if sr == BLOCK else rows, "experts.gate_up_proj_scale_inv")
         return (param_name,)
     if param_name == "down_proj_scale_inv":
-        if m.tp.enabled:
+        if local != full:
             tensor = tensor.narrow(2, start // BLOCK, m.down_proj_scale_inv.shape[2])
         _copy(m.down_proj_scale_inv.data, tensor, "experts.down_proj_scale_inv")
         return (param_name,)

@@ -1,7 +1,9 @@
 """`moe_experts`: a token's top-k expert MLPs (stacked, output-major, gate rows first; dense, MXFP4 or
 block FP8, optional per-expert biases) weighted and summed. CUDA runs the sorted grouped-GEMM kernels
 (`kernels.fused_moe`); other devices, and the tests' oracle, run `moe_experts_reference`, a plain loop
-over the experts that got tokens (quantised experts dequantised at use, one expert at a time)."""
+over the experts that got tokens (quantised experts dequantised at use, one expert at a time). Under
+expert parallelism the weights hold a run of the experts (`expert_start`); slots routed to other
+ranks' experts add nothing, and the MoE layer's all-reduce sums the ranks."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ def moe_experts(
     row_valid: torch.Tensor | None = None,  # [n] bool: False rows (padded graph rows) route nothing, give 0
     batch_invariant: bool = False,  # deterministic mode: a token's result does not depend on the others
     **extra: torch.Tensor | float | None,  # gate_up_scales, down_scales, gate_up_bias, down_bias, alpha, limit;
-    # FP8: gate_up_scale_rows, act_fp8 (the kernels' activation mode; the reference is weight-only)
+    # FP8: gate_up_scale_rows, act_fp8 (the kernels' activation mode; the reference is weight-only);
+    # expert_start (expert parallelism: ids are global, the weights hold experts expert_start + 0..E-1)
 ) -> torch.Tensor:  # [n, H], x's dtype
     if x.is_cuda:
         from swaserve.kernels.fused_moe import fused_moe
@@ -48,10 +51,12 @@ def moe_experts_reference(
     limit: float | None = None,
     gate_up_scale_rows: int = fp8.BLOCK,  # FP8: w_gate_up rows per scale
     act_fp8: bool | None = None,  # the kernels' FP8 activation mode: the reference dequantises weights only
+    expert_start: int | None = None,  # expert parallelism: w_* hold global experts expert_start + 0..E-1
 ) -> torch.Tensor:
     """Each expert's GEMMs in x's dtype as HF runs them (F.linear with the bias, then act(gate) * up, or
     GPT-OSS's clamped SwiGLU); an MXFP4 or FP8 expert's weights dequantised to x's dtype when it is hit;
-    each pair's output times its weight in float32, summed over the k slots in order 0..k-1, cast at the end."""
+    each pair's output times its weight in float32, summed over the k slots in order 0..k-1, cast at the end.
+    With `expert_start`, slots routed outside the held experts contribute exactly 0."""
     act = _gated_reference(activation, alpha, limit)
     if batch_invariant:  # an expert's GEMM rows are the tokens routed to it: their count varies
         from swaserve.layers.batch_invariant import invariant_linear as linear
@@ -60,6 +65,9 @@ def moe_experts_reference(
     n, k = topk_ids.shape
     y = torch.zeros(n, k, x.shape[1], dtype=x.dtype, device=x.device)  # [n, k, H]
     ids = topk_ids.long()
+    if expert_start is not None:
+        ids = ids - expert_start
+        ids = torch.where((ids >= 0) & (ids < w_gate_up.shape[0]), ids, -1)
     if row_valid is not None:
         ids = torch.where(row_valid[:, None], ids, -1)
     for e in torch.unique(ids[ids >= 0]).tolist():

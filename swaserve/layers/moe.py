@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swaserve.distributed.state import all_reduce, shard_size, tp_group
+from swaserve.distributed.state import all_reduce, shard_size, split_experts, tp_group
 from swaserve.layers.fp8_linear import Fp8Spec, load_expert_part, load_stacked_param
 
 if TYPE_CHECKING:
@@ -81,7 +81,9 @@ class StackedExperts(nn.Module):
     """E gated expert MLPs stored output-major (`x @ W.T`, nn.Linear style) without biases, as Gemma 4
     checkpoints store them: `gate_up_proj` [E, 2I, hidden] (gate rows first), `down_proj` [E, hidden, I].
     Runs `fused_moe.moe_experts`: a sorted grouped GEMM on CUDA, a per-expert loop elsewhere. Tensor
-    parallelism splits every expert's intermediate size; the outputs are summed over the ranks."""
+    parallelism splits every expert's intermediate size; expert parallelism (`expert_split`) gives each
+    rank a run of whole experts instead (the parameters' first dim, local index = global - start).
+    Either way the outputs are summed over the ranks. Expert ids passed in and out are global."""
 
     batch_invariant = False  # deterministic mode (`layers.batch_invariant`)
     fp8: Fp8Spec | None = None  # block FP8 (`fp8_linear.convert_experts`): e4m3 weights + `*_scale_inv` float32
@@ -96,15 +98,25 @@ class StackedExperts(nn.Module):
         self.activation = act
         self.tp = tp_group()
         self.hf_intermediate = intermediate_size
-        intermediate_size = shard_size(intermediate_size, "expert intermediate size")
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.expert_split = split_experts(num_experts)
+        E = self.expert_split.count
+        if not self.expert_split.parallel:
+            intermediate_size = shard_size(intermediate_size, "expert intermediate size")
+        # This rank's run of every expert's intermediate size: all of it under expert parallelism.
+        self.width_start = self.tp.rank * intermediate_size if intermediate_size != self.hf_intermediate else 0
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(E, hidden_size, intermediate_size))
 
     def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A stacked HF tensor `[E, ...]` (weights or FP8 scale grids) as this rank holds it: its experts
+        (expert parallelism) or every expert's run of the intermediate size (tensor parallelism)."""
+        split = self.expert_split
+        if split.parallel:
+            return tensor.narrow(0, split.start, split.count) if tensor.shape[0] == split.total else tensor
         if not self.tp.enabled:
             return tensor
         full, local = self.hf_intermediate, self.hf_intermediate // self.tp.size
-        start = self.tp.rank * local
+        start = self.width_start
         if param_name == "gate_up_proj":  # gate rows then up rows: this rank's run of each
             return torch.cat([tensor.narrow(1, start, local), tensor.narrow(1, full + start, local)], dim=1)
         if param_name == "down_proj":
@@ -120,14 +132,17 @@ class StackedExperts(nn.Module):
                     quantize: bool | None = None) -> None:
         """One expert's HF weight, for checkpoints that store experts one by one: `gate_proj` or
         `up_proj` `[I, hidden]`, `down_proj` `[hidden, I]` (this rank's part of I taken here); FP8: also
-        `param="weight_scale_inv"`, and an unquantised weight quantised here when online or `quantize`."""
+        `param="weight_scale_inv"`, and an unquantised weight quantised here when online or `quantize`.
+        `expert` is global: ValueError for one another rank holds (callers skip those: `expert_split`)."""
+        what = f"expert {expert} {proj}"
+        expert = self.expert_split.local(expert)
         if self.fp8 is not None:
             load_expert_part(self, expert, proj, param, tensor, quantize)
             return
         if param != "weight":
-            raise ValueError(f"expert {expert} {proj}.{param}: these experts are not FP8")
+            raise ValueError(f"{what}.{param}: these experts are not FP8")
         local = self.gate_up_proj.shape[1] // 2
-        start = self.tp.rank * local if self.tp.enabled else 0
+        start = self.width_start
         if proj == "down_proj":
             dst, dim = self.down_proj.data[expert], 1
         elif proj in ("gate_proj", "up_proj"):
@@ -137,7 +152,7 @@ class StackedExperts(nn.Module):
         if tensor.ndim == 2 and tensor.shape[dim] == self.hf_intermediate != local:
             tensor = tensor.narrow(dim, start, local)
         if tuple(tensor.shape) != tuple(dst.shape):
-            raise ValueError(f"expert {expert} {proj}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+            raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}")
         dst.copy_(tensor)
 
     def forward(
@@ -147,13 +162,21 @@ class StackedExperts(nn.Module):
         ids: torch.Tensor,  # [n, k] int64
         row_valid: torch.Tensor | None = None,  # [n] bool: False for a padded graph row (routes nothing)
     ) -> torch.Tensor:
+        return all_reduce(self.partial(x, weights, ids, row_valid))
+
+    def partial(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                row_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's share of the output `[n, hidden]` (its experts' slots, or its width of every
+        expert), before the sum over ranks."""
         from swaserve.layers.fused_moe import moe_experts
 
         scales = {} if self.fp8 is None else {
             "gate_up_scales": self.gate_up_proj_scale_inv, "down_scales": self.down_proj_scale_inv,
             "gate_up_scale_rows": self.fp8.scale_rows}
-        return all_reduce(moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid,
-                                      self.batch_invariant, **scales))
+        if self.expert_split.parallel:
+            scales["expert_start"] = self.expert_split.start
+        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, row_valid,
+                           self.batch_invariant, **scales)
 
 
 class GroupedTopKRouter(nn.Module):

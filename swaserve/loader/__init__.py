@@ -72,7 +72,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_
         has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
         # No tokenizer files (e.g. a random-weight test checkpoint): prompts must be token ids.
         tokenizer = Tokenizer.from_hf_dir(path) if has_tokenizer else None
-        weights = iter_safetensors(path) if load_format == "auto" else iter(())
+        weights = None  # read once the model is built: it may skip tensors (`keeps_weight`)
     if quantization == "fp8":
         with_online_fp8(hf_config)
     config = ModelConfig.from_hf(hf_config, max_context=max_context)
@@ -83,6 +83,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, max_
 
         init_dummy_weights(module, whole_shapes=whole_parameter_shapes(config) if tp_group().enabled else None)
     else:
+        if weights is None:
+            weights = iter_safetensors(path, keep=getattr(module, "keeps_weight", None))
         module.load_weights(weights)
     name = "gemma-3-270m" if model is None else (path.stem if resolved.kind == "gguf" else path.name)
     return LoadedModel(config, module, tokenizer, name)

@@ -1,7 +1,8 @@
 """Random weights in a model's real shapes (`load_format="dummy"`): for benchmarks and load tests of
 checkpoints too large to ship, e.g. a Gemma-4-26B-A4B config.json with no safetensors beside it. Each
-tensor is drawn whole from its own seed, then a tensor-parallel rank keeps its part, so every rank
-count holds the same model (TP=N and TP=1 compare token for token).
+tensor is drawn whole from its own seed, then a tensor-parallel rank keeps its part (its share of the
+widths, or under expert parallelism its experts), so every rank count and layout holds the same model
+(TP=N, TP=N with experts split, and TP=1 compare token for token).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _draw_fp8(owner: nn.Module, pname: str, name: str, p: nn.Parameter, draw,
             owner.load_shard(i, pname, draw((hf_rows, owner.in_features), f"{name}#{i}"), quantize=True)
     elif isinstance(owner, StackedExperts):
         hidden, full = owner.down_proj.shape[1], owner.hf_intermediate
-        for e in range(p.shape[0]):
+        split = owner.expert_split  # global ids: each expert is drawn the same whichever rank holds it
+        for e in range(split.start, split.start + split.count):
             if pname == "gate_up_proj":
                 for proj in ("gate_proj", "up_proj"):
                     owner.load_expert(e, proj, draw((full, hidden), f"{name}#{e}#{proj}"), quantize=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,12 +29,15 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return hf_style or files
 
 
-def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every tensor of every shard lazily (safe_open), in shard then key order, on the CPU."""
+def iter_safetensors(path: str | Path, keep: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of every shard lazily (safe_open), in shard then key order, on the CPU;
+    `keep`: read only the tensors it accepts by name (an expert-parallel rank skips other ranks' experts)."""
     files = safetensors_files(path)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as shard:
             for name in shard.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, shard.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, shard.get_tensor(name)

@@ -102,10 +102,25 @@ class MiMoV2FlashForCausalLM(CausalLM):
             # FP8 checkpoints also carry each expert's scales (online FP8 makes them at load).
             scaled = experts.fp8 is not None and not experts.fp8.online
             projs = [p + s for p in ("gate_proj", "up_proj", "down_proj") for s in ("", ".weight_scale_inv")[:1 + scaled]]
-            want = {(e, p) for e in range(experts.gate_up_proj.shape[0]) for p in projs}
+            split = experts.expert_split
+            want = {(e, p) for e in range(split.start, split.start + split.count) for p in projs}
             if want - seen:
                 missing = sorted(want - seen)[:3]
                 raise ValueError(f"checkpoint is missing {len(want - seen)} expert weights of {prefix}, e.g. {missing}")
+
+    def keeps_weight(self, name: str) -> bool:
+        """Whether the checkpoint tensor `name` is worth reading: not another expert-parallel rank's expert
+        (anything unknown is read, and refused by name when it loads)."""
+        target = self.map_weight_name(name)
+        m = _PER_EXPERT.match(target) if target is not None else None
+        if m is None:
+            return True
+        try:
+            split = self.get_submodule(m.group(1)).expert_split
+        except AttributeError:
+            return True
+        expert = int(m.group(2))
+        return split.holds(expert) or expert >= split.total
 
     def load_one(self, named: NamedWeights, name: str, target: str, tensor: torch.Tensor) -> None:
         m = _PER_EXPERT.match(target)
@@ -114,10 +129,11 @@ class MiMoV2FlashForCausalLM(CausalLM):
             return
         prefix, expert, proj, param = m.group(1), int(m.group(2)), m.group(3), m.group(4)
         experts = self.get_submodule(prefix)
-        if not isinstance(experts, StackedExperts) or expert >= experts.gate_up_proj.shape[0]:
+        if not isinstance(experts, StackedExperts) or expert >= experts.expert_split.total:
             raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
-        experts.load_expert(expert, proj, tensor, param)
-        self._experts_loaded.setdefault(prefix, set()).add((expert, proj if param == "weight" else f"{proj}.{param}"))
+        if experts.expert_split.holds(expert):  # expert parallelism: another rank's expert is skipped
+            experts.load_expert(expert, proj, tensor, param)
+            self._experts_loaded.setdefault(prefix, set()).add((expert, proj if param == "weight" else f"{proj}.{param}"))
         # Counts the stacked parameters as present; `load_weights` checks that every expert filled them.
         stacked = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
         named.mark(stacked if param == "weight" else f"{stacked}_scale_inv")

@@ -120,3 +120,35 @@ def test_cuda_graph_replay_with_padded_rows(experts_20b, n):
         assert (out[live:] == 0).all()
         err = _rel(out[:live], _call(moe_experts_reference, x[:live], w[:live], ids[:live], experts_20b))
         assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("n", [1, 64, 2 * ALIGN_KERNEL_MAX_PAIRS // K])  # the last sorts by torch ops
+def test_expert_parallel_halves_sum_to_the_whole(experts_20b, n):
+    """Expert parallelism at the 20b shape: each half of the 32 experts (blocks, scales, biases) with
+    `expert_start` matches the reference of that half, the halves sum to the whole layer's output (within
+    bf16 rounding of the two partials), and a half replays in a CUDA graph with padded rows equal to eager."""
+    x, w, ids = _route(n, 32, 7)
+    whole = _call(fused_moe, x, w, ids, experts_20b)
+    total = torch.zeros_like(whole, dtype=torch.float32)
+    for start in (0, 16):
+        half = {k: v[start : start + 16] for k, v in experts_20b.items()}
+        part = _call(fused_moe, x, w, ids, {**half, "expert_start": start})
+        ref = _call(moe_experts_reference, x, w, ids, {**half, "expert_start": start})
+        assert _rel(part, ref) < 2e-2, (start, n)
+        total += part.float()
+    assert _rel(total, whole) < 2e-2, n
+    half = {k: v[16:] for k, v in experts_20b.items()} | {"expert_start": 16}
+    static = [x.clone(), w.clone(), ids.clone(), torch.ones(n, dtype=torch.bool, device="cuda")]
+    _call(fused_moe, *static[:3], half, static[3])  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _call(fused_moe, *static[:3], half, static[3])
+    x2, w2, ids2 = _route(n, 32, 8)
+    live = (n + 1) // 2
+    valid = torch.arange(n, device="cuda") < live
+    for buf, new in zip(static, (x2, w2, ids2, valid)):
+        buf.copy_(new)
+    graph.replay()
+    assert torch.equal(out, _call(fused_moe, x2, w2, ids2, half, valid))
+    assert (out[live:] == 0).all()

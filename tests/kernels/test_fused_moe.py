@@ -180,3 +180,59 @@ def test_poisoned_intermediates_do_not_leak(device, seed, monkeypatch):
     valid = torch.tensor([True, True, False, True, True], device=device)
     out = fused_moe(x, w1, w2, w, ids, "silu", row_valid=valid)
     assert torch.isfinite(out).all()
+
+
+RUNS = ((0, 3), (3, 2), (5, 2))  # expert parallelism: 7 experts over 3 ranks, unevenly (3, 2, 2)
+
+
+@pytest.mark.parametrize("sort", ["kernel", "torch_ops"])
+def test_expert_parallel_runs_sum_to_the_whole(sort, device, seed, monkeypatch):
+    """Each rank's weights hold a run of the experts and get the global ids: its output is the sum over
+    the slots routed to its run only (equal to the reference's), pairs routed elsewhere sort into no block
+    and their never-written rows (NaN here) are never read; the runs' outputs sum to the whole layer's."""
+    if sort == "torch_ops":
+        monkeypatch.setattr(fused_moe_kernels, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    x, w1, w2, w, ids = _problem(13, 7, 3, 32, 16, torch.float32, device, seed)
+    valid = torch.arange(13, device=device) % 5 != 2
+    whole = fused_moe(x, w1, w2, w, ids, "gelu_tanh", row_valid=valid)
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    parts = []
+    for start, count in RUNS:
+        run = slice(start, start + count)
+        part = fused_moe(x, w1[run], w2[run], w, ids, "gelu_tanh", row_valid=valid, expert_start=start)
+        ref = moe_experts_reference(x.cpu(), w1[run].cpu(), w2[run].cpu(), w.cpu(), ids.cpu(), "gelu_tanh",
+                                    valid.cpu(), expert_start=start)
+        torch.testing.assert_close(part.cpu(), ref, rtol=1e-4, atol=1e-4)
+        none_here = ~((ids >= start) & (ids < start + count)).any(1)
+        assert (part[none_here] == 0).all(), "a token routed to no expert of this run got an output"
+        parts.append(part)
+    assert (parts[0][~valid] == 0).all()
+    torch.testing.assert_close(parts[0] + parts[1] + parts[2], whole, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_alignment_keeps_only_the_run(device, seed):
+    for name, ids, valid, E in _routings(seed):
+        start, count = 2, 3
+        local = ids - start
+        held = (local >= 0) & (local < count)
+        ids_d, valid_d = ids.to(device), None if valid is None else valid.to(device)
+        kernel = align_pairs(ids_d, count, 16, valid_d, use_kernel=True, expert_start=start)
+        ops = align_pairs(ids_d, count, 16, valid_d, use_kernel=False, expert_start=start)
+        # The same as aligning the local ids with every other pair's row marked invalid.
+        n, k = ids.shape
+        pairs, experts = kernel[0].cpu(), kernel[1].cpu()
+        want = {t * k + j for t in range(n) for j in range(k) if held[t, j] and (valid is None or valid[t])}
+        assert sorted(int(p) for p in pairs if p != n * k) == sorted(want), name
+        assert (experts < count).all()
+        for b, e in enumerate(experts.tolist()):
+            real = pairs[b * 16 : (b + 1) * 16]
+            real = real[real < n * k].long()
+            assert e >= 0 or real.numel() == 0
+            assert (local.reshape(-1)[real] == e).all(), f"{name}: block {b} mixes experts"
+        assert torch.equal(kernel[0], ops[0]) and torch.equal(kernel[1], ops[1]), name

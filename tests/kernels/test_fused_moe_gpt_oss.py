@@ -162,3 +162,23 @@ def test_swiglu_oai_needs_its_parameters(device):
         fused_moe(x, w1, w2, w, ids, "swiglu_oai", gate_up_bias=extra["gate_up_bias"])
     with pytest.raises(ValueError, match="swiglu_oai activation needs alpha and limit"):
         moe_experts_reference(x.cpu(), w1.cpu(), w2.cpu(), w.cpu(), ids.cpu(), "swiglu_oai", alpha=1.0)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "mxfp4"])
+def test_expert_parallel_runs_add_each_bias_once(quantized, device, seed):
+    """Expert parallelism in GPT-OSS's form: each run of experts (its blocks, scales and biases) gets the
+    global ids; a pair's biases are added by the one run holding its expert, so the runs sum to the whole."""
+    x, w1, w2, w, ids, extra = _problem(11, 5, 2, 64, 32, torch.float32, device, seed, quantized)
+    valid = torch.arange(11, device=device) != 4
+    whole = fused_moe(x, w1, w2, w, ids, "swiglu_oai", row_valid=valid, **extra)
+    total = torch.zeros_like(whole)
+    for start, count in ((0, 3), (3, 2)):
+        run = slice(start, start + count)
+        part_extra = {k: v[run] if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        part = fused_moe(x, w1[run], w2[run], w, ids, "swiglu_oai", row_valid=valid, expert_start=start,
+                         **part_extra)
+        ref = moe_experts_reference(x.cpu(), w1[run].cpu(), w2[run].cpu(), w.cpu(), ids.cpu(), "swiglu_oai",
+                                    valid.cpu(), expert_start=start, **_cpu(part_extra))
+        torch.testing.assert_close(part.cpu(), ref, rtol=1e-4, atol=1e-4)
+        total += part
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
