@@ -287,6 +287,8 @@ def save_fp8(model: torch.nn.Module, out_dir: Path, ignored: list[str]) -> None:
 def add_kv_scales(out_dir: Path, scales: dict[int, tuple[float, float]]) -> None:
     """Write static FP8 KV-cache scales into a saved checkpoint as calibration tools store them:
     `model.layers.N.self_attn.k_scale` / `v_scale`, one float32 scalar each (layer N: scales[N])."""
+    from safetensors.torch import load_file, save_file
+
     files = sorted(out_dir.glob("*.safetensors"))
     assert len(files) == 1, files
     state = load_file(str(files[0]))
