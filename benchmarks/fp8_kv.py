@@ -3,14 +3,15 @@
 1. KV tokens at 32k-token requests: the pools the planner sizes for a KV budget (`--kv-gib`) on a
    shape's K/V (Gemma 3 `12b` by default), bf16 vs FP8 everywhere vs FP8 with the SWA pool in bf16:
    full and SWA pool tokens and how many 32k requests fit at once.
-2. Decode step time at bs 64 (`--ctx` tokens each, CUDA graphs on), random weights of `--shape`, the
-   three caches one after the other in one process (benchmarks/decode.py's timed steps).
+2. Decode step time at bs 64 (`--ctx` tokens each, CUDA graphs on), random weights of `--decode-shape`
+   (Gemma 3 `4b`: its weights and a bf16 cache of 64 x 8k fit one GPU), the three caches one after the
+   other in one process (benchmarks/decode.py's timed steps).
 3. Greedy agreement on 64 probes with the embedded Gemma 3 270M (real weights): the same prompts
    (random token ids, 64-1500 tokens: across its 512-token window) decoded greedily 48 tokens with each
    cache; probes whose tokens are identical, tokens equal position by position, and where they first
    differ.
 
-    python benchmarks/fp8_kv.py [--shape 12b] [--kv-gib 40] [--ctx 8192] [--probes 64]
+    python benchmarks/fp8_kv.py [--shape 12b] [--kv-gib 40] [--decode-shape 4b] [--ctx 8192] [--probes 64]
     python benchmarks/fp8_kv.py --smoke     # tiny CPU run (CI): planner numbers, 2 probes, bs 4
 """
 
@@ -106,22 +107,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default="12b")
     ap.add_argument("--kv-gib", type=float, default=40)
     ap.add_argument("--context", type=int, default=32768, help="request length the capacity numbers plan for")
+    ap.add_argument("--decode-shape", default="4b")
     ap.add_argument("--bs", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=8192, help="prompt tokens of each decoding request")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--probes", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
-    a = parse_args(ap, argv, smoke=dict(shape="tiny", kv_gib=0.01, context=512, bs=4, ctx=40, steps=2, warmup=1,
+    a = parse_args(ap, argv, smoke=dict(shape="tiny", decode_shape="tiny", kv_gib=0.01, context=512, bs=4, ctx=40, steps=2, warmup=1,
                                         probes=2, max_tokens=4))
     dev = bench_device(a.smoke)
     dtype = bench_dtype(dev)
     print(f"# {hardware()}", flush=True)
     for r in capacity(a.shape, a.kv_gib, a.context, 8192):
         print(json.dumps(dict(part="capacity", shape=a.shape, kv_gib=a.kv_gib, context=a.context, **r)), flush=True)
-    times = decode_times(a.shape, a.bs, a.ctx, a.steps, a.warmup, dev, dtype)
+    times = decode_times(a.decode_shape, a.bs, a.ctx, a.steps, a.warmup, dev, dtype)
     for r in times:
-        print(json.dumps(dict(part="decode", shape=a.shape, **r)), flush=True)
+        print(json.dumps(dict(part="decode", shape=a.decode_shape, **r)), flush=True)
     if a.smoke:  # the embedded 270M is minutes on a CPU: the tiny random shape instead
         model, label, lengths, vocab = random_model("tiny", dev, dtype), "tiny (random)", (8, 60), 150
     else:
