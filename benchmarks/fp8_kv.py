@@ -27,7 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    bench_device, bench_dtype, copy_bandwidth, empty_cache, hardware, hf_config, parse_args, random_model,
+    bench_device,
+    bench_dtype,
+    copy_bandwidth,
+    empty_cache,
+    hardware,
+    hf_config,
+    parse_args,
+    random_model,
 )
 from decode import bench_point  # noqa: E402
 

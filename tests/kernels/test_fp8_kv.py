@@ -183,7 +183,7 @@ def test_extend_attention_fp8_with_prefix(window, device, seed):
         vis = window_mask(torch.arange(p, p + e), torch.arange(p + e), window)
         ref = attend_ref(q[qo[b]: qo[b + 1]], pools.k_true[b], pools.v_true[b], vis, Dk**-0.5)
         torch.testing.assert_close(out[qo[b]: qo[b + 1]].double(), ref, **tolerances(torch.float32),
-                                   msg=lambda m: f"request {b} seed={seed}: {m}")
+                                   msg=lambda m, b=b: f"request {b} seed={seed}: {m}")
 
 
 # ---- unified (deterministic mode) --------------------------------------------------------------
@@ -216,7 +216,7 @@ def test_unified_attention_fp8_matches_reference_and_decode_matches_extend(windo
         ref = attend_ref(q[off: off + n].cpu(), pools.k_true[b], pools.v_true[b], window_mask(pos[p:], pos, window),
                          0.125)
         torch.testing.assert_close(out[off: off + n].cpu().double(), ref, **tolerances(torch.float32),
-                                   msg=lambda m: f"request {b} seed={seed}: {m}")
+                                   msg=lambda m, b=b: f"request {b} seed={seed}: {m}")
         off += n
     for b in (2, 3):  # the one-token requests again, as a decode step
         row = qo[b].item()

@@ -107,3 +107,26 @@ def test_checkpoint_kv_scales_reach_the_fp8_pools(tmp_path):
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="one KV-cache scale per layer"):
         runtime(tmp_path, "torch_native", "fp8_e4m3")
+
+
+def test_engine_reports_each_pools_dtype_and_refuses_a_missing_swa_pool(gemma3_dir, tmp_path):
+    """`LLM.stats()` / `memory_stats()` carry each pool's bits, `kv_cache_dtypes()` the names, the startup
+    line both pools' dtypes; `swa_kv_cache_dtype` on a model without sliding layers is refused by name."""
+    from swaserve.engine import Engine
+    from swaserve.loader import LoadedModel
+    from swaserve.loader.hf_dir import load_model_from_dir
+
+    config, model = load_model_from_dir(gemma3_dir, "cpu", torch.float32)
+    engine = Engine(LoadedModel(config, model, None, "tiny"), device="cpu", dtype=torch.float32,
+                    kv_cache_bytes=400_000, max_prefill_tokens=16, kv_cache_dtype="fp8_e4m3", swa_kv_cache_dtype="auto")
+    stats = engine.counters()
+    assert (stats["full_kv_dtype_bits"], stats["swa_kv_dtype_bits"]) == (8, 32)
+    assert engine.kv_cache_dtypes() == {"full": "fp8_e4m3", "swa": "float32"}
+    line = engine.startup_line()
+    assert "fp8_e4m3" in line and "float32" in line, line
+    engine.close()
+    make_hf_model("llama", tmp_path, seed=0)
+    config, model = load_model_from_dir(tmp_path, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="no sliding-window pool"):
+        Engine(LoadedModel(config, model, None, "tiny"), device="cpu", dtype=torch.float32, kv_cache_bytes=400_000,
+               swa_kv_cache_dtype="fp8_e4m3")
