@@ -144,6 +144,7 @@ def build_runtime(
             f"the SWA pool ({plan.swa_tokens} tokens) cannot hold one request's window plus a prefill chunk "
             f"({need} tokens): raise the KV budget or swa_full_tokens_ratio, or lower max_prefill_tokens"
         )
+    check_kv_device(plan, device)
     table = ReqToTokenPool(sched.max_running_requests + 1, ctx, device)
     kv = SWAKVPool.build(config, plan.full_tokens, plan.swa_tokens, hybrid=plan.hybrid, dtype=plan.full_dtype,
                          device=device, swa_dtype=plan.swa_dtype)
@@ -168,15 +169,19 @@ def build_runtime(
     return rt
 
 
-def apply_kv_scales(kv: SWAKVPool, scales: dict[int, tuple[float, float]]) -> None:
-    """A checkpoint's static FP8 KV scales (layer id -> (k_scale, v_scale)) into the FP8 pools; layers
-    cached in the model dtype ignore theirs. FP8 needs a GPU that converts e4m3 (compute capability
-    8.9+: Ada, Hopper): older ones are refused here, before any kernel compiles."""
-    fp8 = [p for p in kv.pools() if p.is_fp8]
-    if fp8 and fp8[0].device.type == "cuda" and torch.cuda.get_device_capability(fp8[0].device) < (8, 9):
-        cap = ".".join(map(str, torch.cuda.get_device_capability(fp8[0].device)))
+def check_kv_device(plan: MemoryPlan, device: torch.device) -> None:
+    """An FP8 KV cache needs a GPU that converts e4m3 (compute capability 8.9+: Ada, Hopper): older ones
+    are refused before any pool is allocated or kernel compiled."""
+    fp8 = torch.float8_e4m3fn in (plan.full_dtype, plan.swa_dtype)
+    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
         raise ValueError(f"an FP8 KV cache needs a GPU of compute capability 8.9+ (Ada, Hopper), this one is {cap}: "
                          "use kv_cache_dtype auto")
+
+
+def apply_kv_scales(kv: SWAKVPool, scales: dict[int, tuple[float, float]]) -> None:
+    """A checkpoint's static FP8 KV scales (layer id -> (k_scale, v_scale)) into the FP8 pools; layers
+    cached in the model dtype ignore theirs."""
     for layer_id, (k_scale, v_scale) in sorted(scales.items()):
         # A KV-shared layer reads its source's K/V, stored with the source's scales.
         if layer_id in kv.layer_ids and layer_id not in kv.kv_source and kv.kv_scales(layer_id) is not None:
