@@ -192,13 +192,14 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def decode_step_bytes(loaded, bs: int, ctx: int, kv_dtype: torch.dtype) -> int:
+def decode_step_bytes(loaded, bs: int, ctx: int, kv_dtype: torch.dtype, swa_kv_dtype: torch.dtype | None = None) -> int:
     """Fewest bytes one decode step must read: the weights `active_param_bytes` counts plus each
-    request's K/V — full layers the whole context, SWA layers the last min(ctx, W) keys."""
+    request's K/V — full layers the whole context, SWA layers the last min(ctx, W) keys — as stored
+    (`swa_kv_dtype`: the SWA pool's, when it differs; FP8 pools 1 byte an element)."""
     cfg = loaded.config
     kv = cfg.full_group.bytes_per_token(kv_dtype) * ctx
     if cfg.sliding_window:
-        kv += cfg.swa_group.bytes_per_token(kv_dtype) * min(ctx, cfg.sliding_window)
+        kv += cfg.swa_group.bytes_per_token(swa_kv_dtype or kv_dtype) * min(ctx, cfg.sliding_window)
     return active_param_bytes(loaded, bs) + bs * kv
 
 

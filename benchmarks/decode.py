@@ -61,7 +61,9 @@ def bench_point(engine, loaded, bs: int, ctx: int, steps: int, warm: int, bw: fl
     for rid in ids:
         engine.abort(rid)
     step = dt / steps
-    nbytes = decode_step_bytes(loaded, bs, ctx + warm + steps // 2, engine.dtype)
+    plan = engine.plan
+    nbytes = decode_step_bytes(loaded, bs, ctx + warm + steps // 2, plan.full_dtype or engine.dtype,
+                               plan.swa_dtype if plan.hybrid else plan.full_dtype)
     roof = nbytes / bw
     return dict(bs=bs, ctx=ctx, step_ms=round(step * 1e3, 3), tok_per_s=round(bs / step, 1),
                 roofline_step_ms=round(roof * 1e3, 3), roofline_frac=round(roof / step, 3), bytes_per_step=nbytes)
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fused-combine", action="store_true",
                     help="A/B: decode splits combined in stage 1, no stage-2 launch (SWASERVE_FUSED_SPLIT_COMBINE=1)")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], help="A/B: torch's preferred BLAS library for the GEMMs")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                    help="A/B: K/V storage (fp8_e4m3: every pool, unless --swa-kv-cache-dtype auto)")
+    ap.add_argument("--swa-kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"],
+                    help="the sliding-window pool's K/V storage (default: --kv-cache-dtype's)")
     a = parse_args(ap, argv, smoke=dict(shapes="tiny,gemma4-tiny,gpt-oss-tiny", batch_sizes="1,3", contexts="40",
                                         steps=3, warmup=1))
     if a.blas:
@@ -98,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     dev = bench_device(a.smoke)
     dtype = bench_dtype(dev)
     bw = copy_bandwidth(dev)
-    print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; bf16 weights and KV", flush=True)
+    kv_note = "" if a.kv_cache_dtype == "auto" and a.swa_kv_cache_dtype is None else (
+        f"; KV {a.kv_cache_dtype} (SWA pool {a.swa_kv_cache_dtype or a.kv_cache_dtype})")
+    print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; bf16 weights and KV{kv_note}", flush=True)
     print(f"# {fast_paths()}", flush=True)
     plan = {s: ([int(b) for b in a.batch_sizes.split(",")], [int(c) for c in a.contexts.split(",")]) for s in a.shapes.split(",")}
     if a.quick:
@@ -109,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         max_ctx = max(ctxs) + 2 * (a.steps + a.warmup) + 64  # room for warm-up and timed decode steps
         engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=max(bss), max_context=max_ctx,
                         max_prefill_tokens=16384, schedule_policy="prefill_first",
-                        disable_cuda_graph=a.disable_cuda_graph)
+                        disable_cuda_graph=a.disable_cuda_graph, kv_cache_dtype=a.kv_cache_dtype,
+                        swa_kv_cache_dtype=a.swa_kv_cache_dtype)
         print(f"# {shape}: weights {param_bytes(loaded.model) / 2**30:.2f} GiB as stored; {engine.plan.describe()}; "
               f"requests of 8192 tokens at once: {engine.plan.max_concurrent_requests(8192)}", flush=True)
         for ctx in ctxs:

@@ -2,7 +2,7 @@
 how many requests run at once with hybrid pools vs one pool for every layer, against MemoryPlan's
 theoretical numbers, and the decode throughput at that load.
 
-    python benchmarks/memory_capacity.py [--shape 12b] [--kv-gib 40] [--context 32768]
+    python benchmarks/memory_capacity.py [--shape 12b] [--kv-gib 40] [--context 32768] [--kv-cache-dtype fp8_e4m3]
     python benchmarks/memory_capacity.py --smoke     # tiny CPU run (CI)
 """
 
@@ -23,13 +23,14 @@ from common import (  # noqa: E402
 
 
 def run_mode(loaded, dev, dtype, hybrid: bool, kv_bytes: int, ctx: int, new_tokens: int,
-             prefill: int) -> dict:
+             prefill: int, kv_cache_dtype: str = "auto") -> dict:
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
 
     # The pools split for this workload's requests: every one is `ctx` tokens long.
     engine = Engine(loaded, device=dev, dtype=dtype, kv_cache_bytes=kv_bytes, max_context=ctx, plan_request_tokens=ctx,
-                    max_running_requests=48, max_prefill_tokens=prefill, disable_hybrid_swa=not hybrid)
+                    max_running_requests=48, max_prefill_tokens=prefill, disable_hybrid_swa=not hybrid,
+                    kv_cache_dtype=kv_cache_dtype)
     theory = engine.plan.max_concurrent_requests(ctx)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V storage of every pool")
     # smoke: 128-token requests, window 32: room for ~11 with hybrid pools, 4 with one pool
     a = parse_args(ap, argv, smoke=dict(shape="tiny", kv_gib=0.0008, context=128, new_tokens=4,
                                         prefill_chunk=64))
@@ -70,13 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     dtype = bench_dtype(dev)
     loaded = random_model(a.shape, dev, dtype, max_positions=a.context)
     kv = int(a.kv_gib * (1 << 30))
-    rows = [run_mode(loaded, dev, dtype, h, kv, a.context, a.new_tokens, a.prefill_chunk)
+    rows = [run_mode(loaded, dev, dtype, h, kv, a.context, a.new_tokens, a.prefill_chunk, a.kv_cache_dtype)
             for h in (False, True)]
     single, hyb = rows
     theory_ratio = hyb["theoretical_concurrent"] / max(single["theoretical_concurrent"], 1)
     measured = hyb["max_running"] / max(single["max_running"], 1)
     for r in rows:
-        print(json.dumps(dict(shape=a.shape, kv_gib=a.kv_gib, context=a.context, hardware=hardware(), **r)))
+        print(json.dumps(dict(shape=a.shape, kv_gib=a.kv_gib, context=a.context, kv_cache_dtype=a.kv_cache_dtype,
+                              hardware=hardware(), **r)))
     print(f"\n{'mode':<12} {'theory':>6} {'running':>7} {'step ms':>8} {'tok/s':>8}  plan")
     for r in rows:
         print(f"{'hybrid' if r['hybrid'] else 'single pool':<12} {r['theoretical_concurrent']:>6} {r['max_running']:>7} "

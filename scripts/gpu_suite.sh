@@ -17,7 +17,8 @@
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 34: svo_url (the
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
-# tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py); for issue 36: ep_g4 (2 GPUs: offline output
+# tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py) and fp8_kv (the FP8 KV cache: kernel tests
+# natively, tests/gpu/test_fp8_kv_gpu.py, benchmarks/fp8_kv.py); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
 # table; EP_ARGS adds offline_throughput.py options). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
@@ -81,6 +82,13 @@ for step in "${steps[@]}"; do
                 tests/kernels/test_fp8_gemm.py
             run fp8_gpu 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py
             run fp8_bench 420 python3 benchmarks/fp8_gemm.py ;;
+        fp8_kv)  # issue 37 part 3: the FP8 KV kernel tests natively, the FP8-vs-bf16 KV GPU test (graphs on), then KV
+            # tokens at 32k (12B shape, 40 GiB), decode at bs 64 x 8k (4B shape) and 64-probe greedy agreement (270M)
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_kv_kernels 200 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_fp8_kv.py
+            run fp8_kv_gpu 300 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_fp8_kv_gpu.py
+            run fp8_kv_bench 540 python3 benchmarks/fp8_kv.py --shape 12b --kv-gib 40 --decode-shape 4b --ctx 8192 \
+                --bs 64 --probes 64 ;;
         serve)
             d=$(model_dir gemma4-26b-a4b)
             run serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \

@@ -173,6 +173,9 @@ def _opt(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How the KV memory is budgeted and split between the full and SWA pools."""
@@ -183,6 +186,15 @@ class CacheConfig:
     gpu_memory_fraction: float = _opt(0.85, "fraction of free GPU memory after the weights given to the KV cache")
     cpu_kv_cache_bytes: int = _opt(512 << 20, "KV budget on CPU when --kv-cache-mb is not given", cli=False)
     dtype: torch.dtype | None = _opt(None, "KV dtype (default: the model dtype)", cli=False)
+    kv_cache_dtype: str = _opt(
+        "auto", "K/V storage: auto (the model dtype) or fp8_e4m3 (float8 e4m3 with a float32 scale per layer: "
+        "the checkpoint's k_scale/v_scale, else 1.0; half the bytes of bf16, about twice the KV tokens, lossy); "
+        "applies to every pool, the sliding-window pool too unless --swa-kv-cache-dtype says otherwise",
+        choices=KV_CACHE_DTYPES)
+    swa_kv_cache_dtype: str | None = _opt(
+        None, "K/V storage of the hybrid sliding-window pool: auto (the model dtype, e.g. to keep the sliding "
+        "layers exact when long requests make that pool a small share of the KV bytes) or fp8_e4m3 "
+        "(default: --kv-cache-dtype's)", choices=KV_CACHE_DTYPES)
     plan_request_tokens: int | None = _opt(
         None, "request length (prompt + output tokens) the full:SWA pool split is sized for: requests of this "
         "length fill both pools together, shorter ones the SWA pool first (default: min(max context, 4096))")
@@ -191,6 +203,17 @@ class CacheConfig:
     swa_evict_margin: int = _opt(1, "positions kept beyond the window for steps in flight")
     swa_evict_chunk: int = _opt(64, "free out-of-window SWA slots in chunks of this many")
     disable_prefix_cache: bool = _opt(False, "do not reuse the K/V of shared prompt prefixes across requests")
+
+    def kv_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(full pool, hybrid SWA pool) storage dtypes. Without a hybrid SWA pool every layer is
+        cached at the first (`swa_kv_cache_dtype` is refused there)."""
+        if self.dtype is not None:
+            return self.dtype, self.dtype
+
+        def pick(name: str) -> torch.dtype:
+            return torch.float8_e4m3fn if name == "fp8_e4m3" else model_dtype
+
+        return pick(self.kv_cache_dtype), pick(self.swa_kv_cache_dtype or self.kv_cache_dtype)
 
 
 SCHEDULE_POLICIES = ("mixed", "prefill_first")
@@ -348,6 +371,7 @@ def split_engine_options(
         raise ValueError("max_mixed_prefill_tokens must be >= 1")
     if sched.schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {sched.schedule_policy!r}")
+    check_kv_cache_dtypes(cache)
     if cache.swa_evict_chunk < 1 or cache.swa_evict_margin < 0:
         raise ValueError("swa_evict_chunk must be >= 1 and swa_evict_margin >= 0")
     if par.tensor_parallel_size < 1 or par.nnodes < 1 or not 0 <= par.node_rank < par.nnodes:
@@ -367,3 +391,16 @@ def split_engine_options(
     if not 1 <= spec.speculative_ngram_min <= spec.speculative_ngram_max:
         raise ValueError("need 1 <= speculative_ngram_min <= speculative_ngram_max")
     return cache, sched, runner, par, spec  # type: ignore[return-value]
+
+
+def check_kv_cache_dtypes(cache: CacheConfig) -> None:
+    """Bad `kv_cache_dtype` / `swa_kv_cache_dtype` values and combinations that cannot work: ValueError."""
+    for name in ("kv_cache_dtype", "swa_kv_cache_dtype"):
+        value = getattr(cache, name)
+        if value is not None and value not in KV_CACHE_DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+    if cache.dtype is not None and (cache.kv_cache_dtype != "auto" or cache.swa_kv_cache_dtype is not None):
+        raise ValueError("give the KV dtype once: CacheConfig.dtype or kv_cache_dtype / swa_kv_cache_dtype, not both")
+    if cache.swa_kv_cache_dtype is not None and cache.disable_hybrid_swa:
+        raise ValueError("swa_kv_cache_dtype sets the sliding-window pool's dtype, and disable_hybrid_swa caches every "
+                         "layer in the full pool: use kv_cache_dtype")

@@ -18,6 +18,7 @@ from swaserve.engine_setup import default_overlap, load_engine_model, release_en
 from swaserve.grammar import GrammarCompiler, SequenceGrammar
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
+from swaserve.memory.planner import kv_dtype_name
 from swaserve.request import RequestOutput, SamplingParams
 from swaserve.request_group import RequestGroup, SeqDelta, group_output, prompt_logprobs_of
 from swaserve.scheduler.req import Req
@@ -291,6 +292,15 @@ class Engine:
                 "prompt_logprob_tokens_total": self.launcher.prompt_tokens_scored,
                 **(self.grammars.counters() if self.grammars is not None else GrammarCompiler.idle_counters())}
 
+    def kv_cache_dtypes(self) -> dict[str, str]:
+        """Each pool's K/V storage dtype by name ("full", and "swa" for a hybrid SWA pool): e.g.
+        {"full": "fp8_e4m3", "swa": "bfloat16"}."""
+        plan = self.plan
+        out = {"full": kv_dtype_name(plan.full_dtype)} if plan.full_dtype is not None else {}
+        if plan.hybrid and plan.swa_dtype is not None:
+            out["swa"] = kv_dtype_name(plan.swa_dtype)
+        return out
+
     def startup_line(self) -> str:
         """The values chosen for the options left unset and why, and the KV pools: one line."""
         return f"{self.sizing.line()}; KV cache {self.plan.describe()}"
@@ -298,7 +308,8 @@ class Engine:
     def memory_stats(self) -> dict[str, int]:
         """Per pool: `used` (held by requests, or by cache they lock), `cached` (held by the prefix
         cache, locked or not), `total`. Slots neither used nor free are unlocked cache, which an
-        allocation evicts when it needs them: used + free + (cached - locked cache) = total."""
+        allocation evicts when it needs them: used + free + (cached - locked cache) = total. And each
+        pool's storage width (`*_kv_dtype_bits`; the dtypes by name: `kv_cache_dtypes()`)."""
         alloc = self.allocator
         full = getattr(alloc, "full", alloc)
         swa = getattr(alloc, "swa", None)
@@ -311,6 +322,9 @@ class Engine:
             "swa_tokens_used": (swa.used() - (cache.swa_evictable if cache is not None else 0)) if swa is not None else 0,
             "swa_tokens_cached": cache.swa_cached if cache is not None else 0,
             "swa_tokens_total": swa.size if swa is not None else 0,
+            # Bits per stored K/V element: 8 for an FP8 (e4m3) pool, 16 for bf16/fp16, 0 without the pool.
+            "full_kv_dtype_bits": self.plan.kv_dtype_bits("full"),
+            "swa_kv_dtype_bits": self.plan.kv_dtype_bits("swa"),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "retractions": self.scheduler.retractions_total,

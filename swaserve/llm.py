@@ -74,6 +74,10 @@ class LLM:
     def memory_stats(self) -> dict[str, int]:
         return self.engine.memory_stats()
 
+    def kv_cache_dtypes(self) -> dict[str, str]:
+        """Each KV pool's storage dtype by name, e.g. {"full": "fp8_e4m3", "swa": "bfloat16"}."""
+        return self.engine.kv_cache_dtypes()
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix no running request holds (frees its K/V memory)."""
         self.engine.scheduler.reset_prefix_cache()

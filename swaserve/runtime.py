@@ -77,7 +77,7 @@ def size_runtime(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
                  sched: SchedulerConfig) -> tuple[MemoryPlan, Sizing]:
     """The memory plan and the scheduler config with its unset options chosen (`swaserve.sizing`) for
     this device's KV budget (the smallest rank's under tensor parallelism, so every rank agrees)."""
-    kv_dtype = cache.dtype or dtype
+    kv_dtype, swa_kv_dtype = cache.kv_dtypes(dtype)
     ctx = config.max_context
     config = rank_kv_config(config)
     gib = device_memory_gib(device)
@@ -99,9 +99,13 @@ def size_runtime(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
             prefill_chunk=sched.max_prefill_tokens,
             kv_shared_layers=len(config.kv_source),
             request_tokens=cache.plan_request_tokens or PLAN_REQUEST_TOKENS,
+            swa_dtype=swa_kv_dtype,
         )
 
     plan = plan_for(budget)
+    if cache.swa_kv_cache_dtype is not None and not plan.hybrid:
+        raise ValueError(f"swa_kv_cache_dtype sets the sliding-window pool's dtype, and {config.architecture} has no "
+                         "sliding-window pool (no sliding layers): use kv_cache_dtype")
     sched, running_why = resolve_running(sched, device.type, gib, plan)
     if cache.kv_cache_bytes is None and device.type == "cuda":
         # The request table comes out of the measured budget too.
@@ -130,7 +134,6 @@ def build_runtime(
     the caller (`start_runner`), e.g. after a drafter has attached to the runtime."""
     from swaserve.runner.model_runner import ModelRunner
 
-    kv_dtype = cache.dtype or dtype
     ctx = config.max_context
     plan, sizing = size_runtime(config, device, dtype, cache, sched)
     sched = sizing.sched
@@ -141,8 +144,11 @@ def build_runtime(
             f"the SWA pool ({plan.swa_tokens} tokens) cannot hold one request's window plus a prefill chunk "
             f"({need} tokens): raise the KV budget or swa_full_tokens_ratio, or lower max_prefill_tokens"
         )
+    check_kv_device(plan, device)
     table = ReqToTokenPool(sched.max_running_requests + 1, ctx, device)
-    kv = SWAKVPool.build(config, plan.full_tokens, plan.swa_tokens, hybrid=plan.hybrid, dtype=kv_dtype, device=device)
+    kv = SWAKVPool.build(config, plan.full_tokens, plan.swa_tokens, hybrid=plan.hybrid, dtype=plan.full_dtype,
+                         device=device, swa_dtype=plan.swa_dtype)
+    apply_kv_scales(kv, getattr(model, "kv_cache_scales", None) or {})
     evictor: SWAEvictor | None = None
     if plan.hybrid:
         allocator: Any = SWATokenToKVPoolAllocator(plan.full_tokens, plan.swa_tokens, device)
@@ -161,6 +167,25 @@ def build_runtime(
     if start:
         start_runner(rt, runner_cfg)
     return rt
+
+
+def check_kv_device(plan: MemoryPlan, device: torch.device) -> None:
+    """An FP8 KV cache needs a GPU that converts e4m3 (compute capability 8.9+: Ada, Hopper): older ones
+    are refused before any pool is allocated or kernel compiled."""
+    fp8 = torch.float8_e4m3fn in (plan.full_dtype, plan.swa_dtype)
+    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ValueError(f"an FP8 KV cache needs a GPU of compute capability 8.9+ (Ada, Hopper), this one is {cap}: "
+                         "use kv_cache_dtype auto")
+
+
+def apply_kv_scales(kv: SWAKVPool, scales: dict[int, tuple[float, float]]) -> None:
+    """A checkpoint's static FP8 KV scales (layer id -> (k_scale, v_scale)) into the FP8 pools; layers
+    cached in the model dtype ignore theirs."""
+    for layer_id, (k_scale, v_scale) in sorted(scales.items()):
+        # A KV-shared layer reads its source's K/V, stored with the source's scales.
+        if layer_id in kv.layer_ids and layer_id not in kv.kv_source and kv.kv_scales(layer_id) is not None:
+            kv.set_kv_scales(layer_id, k_scale, v_scale)
 
 
 def start_runner(rt: Runtime, runner_cfg: RunnerConfig, verify: tuple[int, int] | None = None) -> None:

@@ -57,6 +57,11 @@ class AttentionBackend(ABC):
             locs = batch.out_cache_loc
         return self.kv.k_buffer(lid), self.kv.v_buffer(lid), locs
 
+    def kv_scales(self, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(k_scale, v_scale)` (`[1]` float32, device) a store at `kv_target` quantises with, where
+        the layer's pool is FP8 e4m3; None for a pool in the compute dtype."""
+        return self.kv.kv_scales(spec.layer_id)
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build index lists for both index spaces and store them in `batch.attn_metadata`."""

@@ -121,8 +121,9 @@ class InvariantNativeAttnBackend(TorchNativeAttnBackend):
         heads = torch.arange(hkv, device=q.device)[:, None, None] * group + tiles.g[None]  # [Hkv, nt, ROWS]
         qf = torch.where(tiles.valid[None, :, :, None], q.float()[tiles.tok[None], heads], 0.0)  # [Hkv, nt, ROWS, D]
         keep = tiles.k_valid[:, :, None, None]
-        kf = torch.where(keep, self.kv.k_buffer(lid)[slots].float(), 0.0).permute(2, 0, 1, 3)  # [Hkv, nt, L, D]
-        vf = torch.where(keep, self.kv.v_buffer(lid)[slots].float(), 0.0).permute(2, 0, 1, 3)
+        # Rows as stored, or dequantised from an FP8 pool (elementwise: no batch-dependent order).
+        kf = torch.where(keep, self.kv.read_k(lid, slots).float(), 0.0).permute(2, 0, 1, 3)  # [Hkv, nt, L, D]
+        vf = torch.where(keep, self.kv.read_v(lid, slots).float(), 0.0).permute(2, 0, 1, 3)
         d, dv = qf.shape[-1], vf.shape[-1]
         qb = qf[:, :, None].expand(hkv, nt, nb, ROWS, d).reshape(-1, ROWS, d)
         s = torch.bmm(qb, kf.reshape(-1, KEYS, d).transpose(1, 2)).view(hkv, nt, nb, ROWS, KEYS) * spec.scaling

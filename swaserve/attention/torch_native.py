@@ -165,10 +165,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         keys = self._keys(batch, spec.sliding_window)
         slots = keys.swa if in_swa else keys.full
         assert slots is not None
-        k_buf, v_buf = self.kv.k_buffer(lid), self.kv.v_buffer(lid)
+        # `read_k`/`read_v`: rows as stored, or dequantised to float32 from an FP8 pool (the math is float32).
+        kv = self.kv
         if batch.is_decode:
             mask = keys.valid[:, None, :]  # [bs, 1, L]: the window is already in the index list
-            out = _attend(q[:, None], k_buf[slots], v_buf[slots], mask, keys.valid, spec, sinks)
+            out = _attend(q[:, None], kv.read_k(lid, slots), kv.read_v(lid, slots), mask, keys.valid, spec, sinks)
             return out[:, 0].to(q.dtype)
 
         assert keys.lens is not None
@@ -182,7 +183,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             if spec.sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
             kv_valid = torch.ones_like(k_pos, dtype=torch.bool)[None]
-            out = _attend(q[None, q_off : q_off + n], k_buf[k_slots][None], v_buf[k_slots][None],
+            out = _attend(q[None, q_off : q_off + n], kv.read_k(lid, k_slots)[None],
+                          kv.read_v(lid, k_slots)[None],
                           mask[None], kv_valid, spec, sinks)
             outs.append(out[0])
             q_off += n

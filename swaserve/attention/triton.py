@@ -233,15 +233,18 @@ class TritonAttnBackend(AttentionBackend):
         lid = spec.layer_id
         in_swa = self.kv.uses_swa_space(lid)
         k_buf, v_buf, locs = self.kv_target(spec, batch)
+        scales = self.kv.kv_scales(lid)  # FP8 pools: ([1], [1]) float32; every kernel below takes them
+        sk = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
         if not kv_stored:
-            store_kv(k_buf, v_buf, locs, k, v)
+            store_kv(k_buf, v_buf, locs, k, v, **sk)
         if self.deterministic:
-            return self._unified(q, k_buf, v_buf, spec, batch, in_swa, sinks)
-        if (k is None or v is None) and not batch.is_decode:
+            return self._unified(q, k_buf, v_buf, spec, batch, in_swa, sinks, sk)
+        if (k is None or v is None or scales is not None) and not batch.is_decode:
             # The extend kernel reads new tokens' K/V from tensors: gather them back from the pool
-            # (KV-shared layers, and layers whose stored V is not a slice of their projection).
+            # (KV-shared layers, layers whose stored V is not a slice of their projection, and FP8
+            # pools, whose new keys are then read as quantised as every later step reads them).
             rows = locs.long()
-            k, v = k_buf[rows], v_buf[rows]
+            k, v = _rows(k_buf, rows), _rows(v_buf, rows)
         windowed = spec.sliding_window is not None
         kl = meta.window if windowed else meta.full
         assert kl is not None, f"no key list for layer {lid}"
@@ -255,21 +258,22 @@ class TritonAttnBackend(AttentionBackend):
             if counters is not None and need > counters.numel():
                 counters = None
             decode_attention(q, k_buf, v_buf, kl.indptr, kl.indices, out, spec.scaling,
-                             logit_softcap=softcap, sinks=sinks, num_kv_splits=splits, split_counters=counters)
+                             logit_softcap=softcap, sinks=sinks, num_kv_splits=splits, split_counters=counters, **sk)
         else:
             extend_attention(q, k, v, out, k_buf, v_buf, meta.qo_indptr, kl.indptr, kl.indices, meta.prefix_lens,
                              spec.scaling, max_extend_len=meta.max_extend_len, window=spec.sliding_window,
-                             logit_softcap=softcap, sinks=sinks, prefix_start=kl.start)
+                             logit_softcap=softcap, sinks=sinks, prefix_start=kl.start, **sk)
         return out
 
     def _unified(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, spec: AttentionSpec,
-                 batch: ForwardBatch, in_swa: bool, sinks: torch.Tensor | None) -> torch.Tensor:
+                 batch: ForwardBatch, in_swa: bool, sinks: torch.Tensor | None,
+                 scales: dict[str, torch.Tensor]) -> torch.Tensor:
         """Deterministic mode: the decode rows (`num_decode`, first) as a decode, the rest as an extend."""
         meta: TritonMetadata = batch.attn_metadata
         nd, bs = meta.num_decode, batch.batch_size
         out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
         kw = dict(window=spec.sliding_window, full_to_swa=self.full_to_swa if in_swa else None,
-                  logit_softcap=spec.logit_softcap or 0.0, sinks=sinks)
+                  logit_softcap=spec.logit_softcap or 0.0, sinks=sinks, **scales)
         table, rows, seq = self.req_to_token.req_to_token, batch.req_pool_indices, batch.seq_lens
         if nd:
             slots = meta.slots if in_swa and spec.sliding_window == self.window else None
@@ -288,3 +292,9 @@ class TritonAttnBackend(AttentionBackend):
             self._splits[key] = num_kv_splits_for(bs, spec.num_heads, spec.num_kv_heads, max_len, self._num_sms)
         return self._splits[key]
 
+
+def _rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`buf[rows]`; FP8 buffers through a uint8 view (not every device indexes float8 tensors)."""
+    if buf.element_size() == 1 and buf.dtype != torch.uint8:
+        return buf.view(torch.uint8)[rows].view(buf.dtype)
+    return buf[rows]

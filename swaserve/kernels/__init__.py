@@ -22,6 +22,11 @@ host sync, grids fixed by host ints) unless stated otherwise.
   prefix_lens, scaling, max_extend_len, window, logit_softcap, sinks, prefix_start)`: new tokens
   attend the cached prefix through its list (entry j at position prefix_start + j) and each other
   from k_new/v_new, causal + windowed. Its grid needs `max_extend_len` from the host.
+- FP8 KV pools (`torch.float8_e4m3fn`, kv_quant.py): every store and attention kernel above (and
+  `qk_norm_rope_store`, `unified_attention`) takes `k_scale=`, `v_scale=` (`[1]` float32 device
+  tensors: a layer's static scales) for an e4m3 pool and refuses them for another. Stores write
+  `e4m3(clamp(x / scale, +-448))`; reads fold K's scale into the logit scale and V's into the output,
+  so an e4m3 tile is only converted to the compute dtype (exact). Extend then takes e4m3 new K/V.
 - `add_rms_norm(x, residual, post_weight, next_weight, eps, ...)` (norm.py): `h = residual +
   norm(x)` and `norm(h)` in one launch (a sandwich norm's add plus the next block's input norm).
 - `qk_norm_rope_store(qkv, ..., k_buf, v_buf, locs, loc_map=None)` (qk_norm_rope.py): per-head q/k RMSNorm, rotary

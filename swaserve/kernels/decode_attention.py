@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _dot, _finish, _online_step, _scores, dot_flags
+from swaserve.kernels.kv_quant import kv_scale_args
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 
@@ -23,7 +24,7 @@ def _split_bounds(n, split, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, B
 
 @triton.jit
 def _decode_stage1(
-    q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks, counters,
+    q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks, counters, k_scale, v_scale,
     qk_scale, softcap,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
@@ -31,9 +32,11 @@ def _decode_stage1(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
+    if KV_FP8:  # e4m3 K: its scale folds into the logits' (`kernels.kv_quant`)
+        qk_scale = qk_scale * tl.load(k_scale)
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -67,6 +70,8 @@ def _decode_stage1(
         v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
                       mask=nmask[:, None] & (dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(q_t.dtype), v_t.to(q_t.dtype), UPCAST, PREC)
+    if KV_FP8:  # e4m3 V: every split's output carries its scale, so the combine needs none
+        acc = acc * tl.load(v_scale)
 
     if DIRECT:
         # One split: finish here and skip stage 2 (and its launch).
@@ -189,8 +194,11 @@ def decode_attention(
     block_h: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [1] float32, device: an FP8 (e4m3) pool's scales (both or neither)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per request over its key list; the window lives entirely in the list.
+    """One query per request over its key list; the window lives entirely in the list. An FP8 pool
+    reads as `k8 * k_scale`, `v8 * v_scale` (the scales folded into the logits and the output).
 
     Request b attends keys `kv_indices[kv_indptr[b]:kv_indptr[b+1]]` with GQA (query head h uses
     kv head h // (H / Hkv)). A request with no keys gets 0 (no NaN, sinks or not); a padded row
@@ -234,10 +242,11 @@ def decode_attention(
             "split_counters too small", split_counters.numel(), bs * HKV * head_blocks)
     upcast, prec = dot_flags(q.dtype)
     sinks_arg = sinks if sinks is not None else q
+    ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, q)
     kw = {"num_warps": num_warps, "num_stages": num_stages, **pdl_kwargs(q)}
     _decode_stage1[(bs, HKV * head_blocks, num_kv_splits)](
         q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sinks_arg,
-        split_counters if fused else kv_indptr, scaling, logit_softcap if logit_softcap else 1.0,
+        split_counters if fused else kv_indptr, ks, vs, scaling, logit_softcap if logit_softcap else 1.0,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0,
         mid_lse.stride(0), mid_lse.stride(1),
@@ -245,7 +254,7 @@ def decode_attention(
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_block_d(DK), BLOCK_DV=_block_d(DV),
         NUM_SPLITS=num_kv_splits, MIN_CHUNK=max(block_n, min_split_len),
         DIRECT=direct, FUSED_REDUCE=fused, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
-        UPCAST=upcast, PREC=prec, **kw,
+        UPCAST=upcast, PREC=prec, KV_FP8=fp8, **kw,
     )
     if not direct and not fused:
         _decode_stage2[(bs, H)](

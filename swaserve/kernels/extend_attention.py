@@ -8,19 +8,22 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _dot, _finish, _online_step, _scores, dot_flags
+from swaserve.kernels.kv_quant import kv_scale_args
 
 
 @triton.jit
 def _extend_kernel(
     q, k_new, v_new, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, prefix_lens, prefix_start,
-    sinks, qk_scale, softcap, window,
+    sinks, k_scale, v_scale, qk_scale, softcap, window,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
     stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_PSTART: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, KV_FP8: tl.constexpr,
 ):
+    if KV_FP8:  # e4m3 K (prefix and new tokens alike): its scale folds into the logits'
+        qk_scale = qk_scale * tl.load(k_scale)
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -91,6 +94,8 @@ def _extend_kernel(
                       mask=nmask[:, None] & (dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(q_t.dtype), v_t.to(q_t.dtype), UPCAST, PREC)
 
+    if KV_FP8:  # e4m3 V
+        acc = acc * tl.load(v_scale)
     o = _finish(acc, m, l, sinks, h + tl.zeros([BLOCK_M], tl.int32), mmask, HAS_SINKS)
     tl.store(out + (q_lo + offs_m)[:, None] * stride_ot + h * stride_oh + dv[None, :],
              o.to(out.dtype.element_ty), mask=mmask[:, None] & (dv[None, :] < DV))
@@ -131,12 +136,16 @@ def extend_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [1] float32, device: an FP8 (e4m3) pool's scales (both or neither)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New token i of request b sits at position `p = prefix_lens[b] + i` and sees new key j iff
     `j <= i` (and `i - j < W`), and prefix entry j (position `prefix_start[b] + j`) iff `p - pos < W`
     (always without a window). `prefix_start` defaults to `prefix_lens - list length`, which is right
     for lists from `build_kv_indices` (they end at `prefix_len - 1`). Every query sees at least itself,
-    so no row is empty. Returns `out`.
+    so no row is empty. An FP8 pool reads as `k8 * k_scale`, `v8 * v_scale`; `k_new`/`v_new` are then
+    e4m3 too, the new tokens' rows as the pool stores them, so every key is read the way a later step
+    reads it. Returns `out`.
     """
     T, H, DK = q.shape
     HKV, DV = k_new.shape[1], v_new.shape[2]
@@ -147,6 +156,8 @@ def extend_attention(
         assert t.stride(2) == 1, "head dims must be contiguous"
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, q)
+    assert k_new.dtype == v_new.dtype and (k_new.dtype == k_buf.dtype or not fp8), "FP8 pool: e4m3 new K/V"
     if T == 0 or bs == 0 or max_extend_len <= 0:
         return out
     bdk, bdv = _block_d(DK), _block_d(DV)
@@ -158,12 +169,12 @@ def extend_attention(
     _extend_kernel[grid](
         q, k_new, v_new, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, prefix_lens,
         prefix_start if prefix_start is not None else prefix_lens,
-        sinks if sinks is not None else q, scaling, logit_softcap if logit_softcap else 1.0,
+        sinks if sinks is not None else q, ks, vs, scaling, logit_softcap if logit_softcap else 1.0,
         window if window is not None else 0,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         GROUP=H // HKV, DK=DK, DV=DV, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv,
         HAS_WINDOW=window is not None, HAS_PSTART=prefix_start is not None,
-        HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None, UPCAST=upcast, PREC=prec, **kw,
+        HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None, UPCAST=upcast, PREC=prec, KV_FP8=fp8, **kw,
     )
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.kernels.common import interpret_mode
+from swaserve.kernels.kv_quant import _load_scale, _to_pool, kv_scale_args
 from swaserve.kernels.norm import _weighted
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
@@ -20,12 +22,12 @@ def _inv_rms(x1, x2, eps, HALF: tl.constexpr):
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    qkv, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_buf, v_buf, locs, loc_map,
+    qkv, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_buf, v_buf, locs, loc_map, k_scale, v_scale,
     stride_t, stride_c, stride_kbt, stride_kbh, stride_vbt, stride_vbh, eps, v_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
     HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_MAP: tl.constexpr,
     HAS_KV: tl.constexpr, V_NORM: tl.constexpr, V_FROM_K: tl.constexpr,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -84,12 +86,15 @@ def _qk_norm_rope_store_kernel(
             # a limit, not `mask & (loc >= 0)`: scalar & vector masks break the 3.9 interpreter.
             ms = offs < tl.where(loc >= 0, HALF, 0)
             # int64 slot arithmetic: slot * stride overflows int32 on large pools (sglang#9344).
+            # FP8 pools: the values just rounded to qkv's dtype (what the unfused path stores), quantised.
+            ks = _load_scale(k_scale, FP8)
+            vs = _load_scale(v_scale, FP8)
             kb = k_buf + loc * stride_kbt + j * stride_kbh
-            tl.store(kb + offs, o1.to(k_buf.dtype.element_ty), mask=ms)
-            tl.store(kb + HALF + offs, o2.to(k_buf.dtype.element_ty), mask=ms)
+            tl.store(kb + offs, _to_pool(o1, k_buf, ks, FP8, EMULATE), mask=ms)
+            tl.store(kb + HALF + offs, _to_pool(o2, k_buf, ks, FP8, EMULATE), mask=ms)
             vb = v_buf + loc * stride_vbt + j * stride_vbh
-            tl.store(vb + offs, v1.to(v_buf.dtype.element_ty), mask=ms)
-            tl.store(vb + HALF + offs, v2.to(v_buf.dtype.element_ty), mask=ms)
+            tl.store(vb + offs, _to_pool(v1, v_buf, vs, FP8, EMULATE), mask=ms)
+            tl.store(vb + HALF + offs, _to_pool(v2, v_buf, vs, FP8, EMULATE), mask=ms)
 
 
 def qk_norm_rope_store(
@@ -112,6 +117,8 @@ def qk_norm_rope_store(
     v_norm: bool = False,
     v_from_k: bool = False,
     v_eps: float | None = None,  # the V norm's eps (default: eps)
+    k_scale: torch.Tensor | None = None,  # [1] float32, device: an FP8 pool's scales (both or neither)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """q <- rotary(norm_q(q)), k <- rotary(norm_k(k)) in qkv, then k and v of token t go to slot
     `locs[t]` (or `loc_map[locs[t]]`) like `store_kv`; negative slots are skipped. The q/k norm forms
@@ -121,7 +128,8 @@ def qk_norm_rope_store(
     it back to qkv's v slice; `v_from_k` (k_eq_v) means qkv holds only q|k `[T, (H + Hkv) * D]` and the
     stored V is the raw k before its norm and rotation (normed with `v_norm`); only qkv's k slice then
     holds the rotated K, and V exists only in the pool. `k_buf=None` (KV-shared layers): qkv holds q
-    `[T, H * D]`, normed and rotated in place, nothing stored.
+    `[T, H * D]`, normed and rotated in place, nothing stored. An FP8 (e4m3) pool stores K and V as
+    `store_kv` does: divided by their scales, clamped to +-448.
     """
     T = qkv.shape[0]
     has_kv = k_buf is not None
@@ -137,6 +145,7 @@ def qk_norm_rope_store(
     assert q_weight is None or k_weight is None or q_weight.dtype == k_weight.dtype, (q_weight.dtype, k_weight.dtype)
     assert qkv.shape[1] == width and head_dim % 2 == 0, (qkv.shape, width)
     assert qkv.stride(1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride()
+    ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, cos) if has_kv else (cos, cos, False)
     if T == 0:
         return
     half = head_dim // 2
@@ -146,10 +155,11 @@ def qk_norm_rope_store(
         qkv, cos, sin, q_weight if q_weight is not None else cos,
         k_weight if k_weight is not None else (q_weight if q_weight is not None else cos),
         k_buf if has_kv else qkv, v_buf if has_kv else qkv, locs if has_kv else cos,
-        loc_map if loc_map is not None else (locs if has_kv else cos),
+        loc_map if loc_map is not None else (locs if has_kv else cos), ks, vs,
         qkv.stride(0), cos.stride(0), k_buf.stride(0) if has_kv else 0, k_buf.stride(1) if has_kv else 0,
         v_buf.stride(0) if has_kv else 0, v_buf.stride(1) if has_kv else 0, eps, eps if v_eps is None else v_eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=half, HAS_NORM=q_weight is not None, UNIT_OFFSET=unit_offset,
         WEIGHT_FP32=weight_fp32, HAS_MAP=loc_map is not None, HAS_KV=has_kv, V_NORM=v_norm, V_FROM_K=v_from_k,
-        BLOCK=triton.next_power_of_2(half), num_warps=1 if half <= 128 else 2, **pdl_kwargs(qkv),
+        BLOCK=triton.next_power_of_2(half), num_warps=1 if half <= 128 else 2, FP8=fp8,
+        EMULATE=fp8 and interpret_mode(), **pdl_kwargs(qkv),
     )

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _finish, dot_flags, interpret_mode, jit_per_batch, num_sms
+from swaserve.kernels.kv_quant import kv_scale_args
 from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk
 
 __all__ = ["key_chunk", "unified_attention"]
@@ -42,7 +43,7 @@ PROGRAMS = ("block", "chunk", "request")
 @jit_per_batch("stride_qt", "stride_ot", "row0")
 def _unified_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, slots, sinks,
-    part_acc, part_ml, qk_scale, softcap, window, row0,
+    part_acc, part_ml, k_scale, v_scale, qk_scale, softcap, window, row0,
     stride_r2t, stride_slots, stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt,
     stride_vh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -50,14 +51,18 @@ def _unified_kernel(
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    ROWWISE: tl.constexpr,
+    ROWWISE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
     ([T, H, NP, DV] / [T, H, NP, 2] float32) for `_merge_kernel`. Otherwise program (b, kvh, tile)
     folds every chunk of its tile and writes `out` (extend, and a decode step's request programs).
     `HAS_SLOTS` (decode, sliding layers): request b's keys lo.. are read from `slots[b]`, its window's
-    SWA slots, one gather instead of two (`HAS_MAP` is then off). Program b serves request row0 + b."""
+    SWA slots, one gather instead of two (`HAS_MAP` is then off). Program b serves request row0 + b.
+    `KV_FP8`: e4m3 K/V; K's scale multiplies the logit scale, V's the folded result before `_finish`
+    (here and in `_merge_kernel` alike, so decode and extend stay the same bits)."""
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale)
     b = tl.program_id(0) + row0
     kvh = tl.program_id(1)
     TOKS: tl.constexpr = BLOCK_M // GROUP_P
@@ -115,6 +120,8 @@ def _unified_kernel(
                               window, stride_t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
                               BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
             M, L, ACC = _fold(M, L, ACC, m, l, acc)
+        if KV_FP8:
+            ACC = ACC * tl.load(v_scale)
         o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
         tl.store(out + (q_lo + t)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
                  o.to(out.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
@@ -182,6 +189,8 @@ def unified_attention(
     slots: torch.Tensor | None = None,  # [bs, >= window] int32: `window_slots` (decode, sliding layers)
     launch: tuple[int, int, int] | None = None,  # (rows, warps, stages) of a program (sweeps)
     first_row: int = 0,  # extend: requests before it are another launch's (a mixed step's decode rows)
+    k_scale: torch.Tensor | None = None,  # [1] float32, device: an FP8 (e4m3) pool's scales (both or neither)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
@@ -193,7 +202,7 @@ def unified_attention(
     may start at request `first_row` (the rows before it being another launch's: a mixed step's
     decodes) with every tensor whole, so a split compiles nothing new (sliced pointers would change
     their alignment, a specialisation). Every launch setting depends on static shapes only, so it can
-    be captured. No host sync. Returns `out`."""
+    be captured. An FP8 pool reads as `k8 * k_scale`, `v8 * v_scale`. No host sync. Returns `out`."""
     T, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
     bs = req_pool_indices.numel()
@@ -213,6 +222,7 @@ def unified_attention(
     chunk = chunk or key_chunk(max_context)
     assert chunk % block_n == 0, f"chunk {chunk} is not a multiple of the key block {block_n}"
     upcast, prec = dot_flags(q.dtype)
+    ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, q)
     decode = max_extend_len == 1
     if decode:
         assert T == bs and first_row == 0, "a decode batch has one query per request, all of them here"
@@ -235,7 +245,7 @@ def unified_attention(
     grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if split and programs == "block" else chunk, NP=np_, H=H,
-                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None)
+                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, KV_FP8=fp8)
     has_slots = decode and slots is not None
     if has_slots:
         assert window is not None and slots.dtype == torch.int32, "slots: int32, for a sliding layer"
@@ -244,7 +254,7 @@ def unified_attention(
     _unified_kernel[grid](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr,
         full_to_swa if full_to_swa is not None else seq_lens, slots if has_slots else seq_lens, sinks_arg,
-        part_acc, part_ml,
+        part_acc, part_ml, ks, vs,
         scaling, logit_softcap if logit_softcap else 1.0, window_arg, first_row,
         req_to_token.stride(0), slots.stride(0) if has_slots else 0, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1),
@@ -257,7 +267,7 @@ def unified_attention(
     if split:
         # Per-block partials are many for a few requests: their fold is split over value columns.
         mdv = max(16, bdv // 4) if programs == "block" else bdv
-        _merge_kernel[(bs, HKV, bdv // mdv)](out, part_acc, part_ml, seq_lens, sinks_arg, window_arg,
+        _merge_kernel[(bs, HKV, bdv // mdv)](out, part_acc, part_ml, seq_lens, sinks_arg, vs, window_arg,
                                              out.stride(0), out.stride(1), BLOCK_DV=mdv, **const,
                                              num_warps=warps)
     return out

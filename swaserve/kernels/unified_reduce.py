@@ -90,15 +90,16 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, 
 
 @triton.jit
 def _merge_kernel(
-    out, part_acc, part_ml, seq_lens, sinks, window, stride_ot, stride_oh,
+    out, part_acc, part_ml, seq_lens, sinks, v_scale, window, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Decode: request b's partials (one per UNIT keys: a chunk, or a key block) folded in the order
     an extend program folds them (blocks into their chunk, chunks into the result), on the decode
     tile's rows, in one flat loop (its loads pipelined); program (b, kvh, d) takes BLOCK_DV of the
-    value columns (the fold is elementwise in them)."""
+    value columns (the fold is elementwise in them). `KV_FP8`: the folded result times V's scale, as
+    the extend program does it."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     r = tl.arange(0, BLOCK_M)
@@ -136,6 +137,8 @@ def _merge_kernel(
                 CM = tl.full([BLOCK_M], float("-inf"), tl.float32)
                 CL = tl.zeros([BLOCK_M], tl.float32)
                 CACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if KV_FP8:
+        ACC = ACC * tl.load(v_scale)
     o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
     tl.store(out + (b + t.to(tl.int64))[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
              o.to(out.dtype.element_ty), mask=cmask)

@@ -150,9 +150,10 @@ class SelfAttention(nn.Module):
 
         assert batch.attn_backend is not None
         cos, sin = self.rotary.cos_sin(batch.positions, batch.scratch)
-        k_buf = v_buf = locs = None
+        k_buf = v_buf = locs = scales = None
         if not self.kv_shared:
             k_buf, v_buf, locs = batch.attn_backend.kv_target(self.spec, batch)
+            scales = batch.attn_backend.kv_scales(self.spec)  # FP8 pools: quantised as stored
         qn, kn, vn = self.q_norm, self.k_norm, self.v_norm
         qk_norm_rope_store(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
@@ -161,4 +162,5 @@ class SelfAttention(nn.Module):
             unit_offset=qn.unit_offset if qn is not None else False,
             weight_fp32=qn.fp32_weight if qn is not None else False,
             v_norm=vn is not None, v_from_k=self.k_eq_v, v_eps=vn.eps if vn is not None else None,
+            k_scale=scales[0] if scales is not None else None, v_scale=scales[1] if scales is not None else None,
         )

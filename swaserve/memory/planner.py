@@ -38,6 +38,13 @@ class MemoryPlan:
     planned_request_tokens: int = 0  # the request length the split was sized for (hybrid plans)
     swa_kept_per_request: int = 0  # hybrid plans: SWA slots a request keeps right after out-of-window freeing
     step_tokens: int = 0  # new tokens one step adds at most (the prefill budget), on top of what is kept
+    full_dtype: torch.dtype | None = None  # storage dtype of the full pool (every layer without a hybrid SWA pool)
+    swa_dtype: torch.dtype | None = None  # of the hybrid SWA pool
+
+    def kv_dtype_bits(self, pool: str) -> int:
+        """Bits per stored K/V element of pool "full" or "swa" (0: no such pool or dtype unknown)."""
+        dtype = self.full_dtype if pool == "full" else (self.swa_dtype if self.hybrid else None)
+        return torch.empty((), dtype=dtype).element_size() * 8 if dtype is not None else 0
 
     @property
     def total_bytes(self) -> int:
@@ -77,12 +84,17 @@ class MemoryPlan:
             parts = [g.describe() for g in groups if g is not None and g.num_layers]
             return f"{' + '.join(parts)}, " if parts else ""
 
+        def dt(dtype: torch.dtype | None) -> str:
+            return "" if dtype is None else f"{kv_dtype_name(dtype)}, "
+
         if self.hybrid:
-            s = (f"hybrid: full pool {self.full_tokens} tokens ({shape(self.full_group)}{self.full_bytes_per_token} B/token), "
-                 f"SWA pool {self.swa_tokens} tokens ({shape(self.swa_group)}{self.swa_bytes_per_token} B/token)")
+            s = (f"hybrid: full pool {self.full_tokens} tokens ({shape(self.full_group)}{dt(self.full_dtype)}"
+                 f"{self.full_bytes_per_token} B/token), "
+                 f"SWA pool {self.swa_tokens} tokens ({shape(self.swa_group)}{dt(self.swa_dtype)}"
+                 f"{self.swa_bytes_per_token} B/token)")
         else:
             s = (f"single index space: {self.full_tokens} tokens "
-                 f"({shape(self.full_group, self.swa_group)}{self.full_bytes_per_token} B/token)")
+                 f"({shape(self.full_group, self.swa_group)}{dt(self.full_dtype)}{self.full_bytes_per_token} B/token)")
         if self.kv_shared_layers:
             s += f", {self.kv_shared_layers} KV-shared layers (no K/V of their own)"
         return s + f", {self.total_bytes / mib:.1f} MiB"
@@ -103,8 +115,10 @@ def plan_memory(
     prefill_chunk: int = 0,
     kv_shared_layers: int = 0,
     request_tokens: int | None = None,
+    swa_dtype: torch.dtype | None = None,
 ) -> MemoryPlan:
-    """Size the pools for `budget_bytes` of K/V.
+    """Size the pools for `budget_bytes` of K/V, stored as `dtype` (the full pool) and `swa_dtype`
+    (a hybrid SWA pool; default `dtype`): FP8 pools take 1 byte per element.
 
     With `hybrid=False` (or a model with no SWA layers) every layer is cached in the full pool.
     `request_tokens`: the request length (prompt + output) the split is sized for (default and at most
@@ -112,16 +126,17 @@ def plan_memory(
     """
     if budget_bytes <= 0:
         raise ValueError("KV budget must be positive")
-    full_b = full_group.bytes_per_token(dtype)
-    swa_b = swa_group.bytes_per_token(dtype)
     hybrid = hybrid and swa_group.num_layers > 0
+    swa_dtype = (swa_dtype or dtype) if hybrid else dtype
+    full_b = full_group.bytes_per_token(dtype)
+    swa_b = swa_group.bytes_per_token(swa_dtype)
     if not hybrid:
         per_token = full_b + swa_b
         tokens = budget_bytes // per_token
         if tokens < 1:
             raise ValueError(f"KV budget {budget_bytes} B holds no token ({per_token} B/token)")
         return MemoryPlan(int(tokens), 0, per_token, 0, 0, max_context, hybrid=False, full_group=full_group,
-                          swa_group=swa_group, kv_shared_layers=kv_shared_layers)
+                          swa_group=swa_group, kv_shared_layers=kv_shared_layers, full_dtype=dtype)
     assert window is not None
     swa_per_req = min(max_context, window + evict_margin + evict_chunk)
     kept = min(max_context, swa_slots_kept(window, evict_margin, evict_chunk))
@@ -140,4 +155,10 @@ def plan_memory(
     swa_tokens = int(full_tokens * ratio) + headroom
     return MemoryPlan(full_tokens, swa_tokens, full_b, swa_b, swa_per_req, max_context, hybrid=True,
                       full_group=full_group, swa_group=swa_group, kv_shared_layers=kv_shared_layers,
-                      planned_request_tokens=planned, swa_kept_per_request=kept, step_tokens=prefill_chunk)
+                      planned_request_tokens=planned, swa_kept_per_request=kept, step_tokens=prefill_chunk,
+                      full_dtype=dtype, swa_dtype=swa_dtype)
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """How the options and logs name a KV storage dtype: fp8_e4m3, bfloat16, float16, float32."""
+    return "fp8_e4m3" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")

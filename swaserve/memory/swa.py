@@ -69,7 +69,8 @@ class SWAKVPool:
         assert full.num_layers == sum(1 for p, _, _ in self._map.values() if p is full), "full pool layer count"
         if swa is not None:
             assert swa.num_layers == len(swa_layer_ids), "SWA pool layer count"
-        for shared, source in (kv_source or {}).items():
+        self.kv_source = dict(kv_source or {})  # KV-shared layer -> the layer whose K/V it reads
+        for shared, source in self.kv_source.items():
             assert shared not in self._map and source in self._map, f"KV-shared layer {shared} -> {source}"
             self._map[shared] = self._map[source]
 
@@ -95,6 +96,28 @@ class SWAKVPool:
         pool, local, _ = self._map[layer_id]
         pool.set_kv(local, locs, k, v)
 
+    def kv_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(k_scale, v_scale)` (`[1]` float32, device) of a layer cached in FP8; None otherwise."""
+        pool, local, _ = self._map[layer_id]
+        return pool.scales(local)
+
+    def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        """A layer's static FP8 scales (a KV-shared layer has its source's: set those)."""
+        pool, local, _ = self._map[layer_id]
+        pool.set_scales(local, k_scale, v_scale)
+
+    def read_k(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """K rows at `slots` (the layer's own space), dequantised to float32 from FP8."""
+        pool, local, _ = self._map[layer_id]
+        return pool.read(local, slots)
+
+    def read_v(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        pool, local, _ = self._map[layer_id]
+        return pool.read(local, slots, value=True)
+
+    def dtype_of(self, layer_id: int) -> torch.dtype:
+        return self._map[layer_id][0].dtype
+
     def pools(self) -> list[KVPool]:
         return [self.full] + ([self.swa] if self.swa is not None else [])
 
@@ -111,17 +134,20 @@ class SWAKVPool:
         hybrid: bool,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        swa_dtype: torch.dtype | None = None,
     ) -> SWAKVPool:
         """The pools for `config`: each group gets its own K/V shape; KV-shared layers get none.
 
-        `hybrid`: SWA layers in a pool of `swa_tokens` SWA slots. Otherwise one index space of
-        `full_tokens` slots: one pool when both groups have the same K/V shape, else a full-sized
-        buffer per group (`swa_tokens` is then ignored)."""
+        `hybrid`: SWA layers in a pool of `swa_tokens` SWA slots, stored as `swa_dtype` (default
+        `dtype`). Otherwise one index space of `full_tokens` slots, every layer stored as `dtype`: one
+        pool when both groups have the same K/V shape, else a full-sized buffer per group
+        (`swa_tokens` is then ignored)."""
         fg, sg = config.full_group, config.swa_group
         sources = config.kv_sources
         full = KVPool(full_tokens, fg.num_layers, fg.num_kv_heads, fg.k_head_dim, fg.v_head_dim, dtype, device)
         if hybrid and sg.num_layers:
-            swa = KVPool(swa_tokens, sg.num_layers, sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim, dtype, device)
+            swa = KVPool(swa_tokens, sg.num_layers, sg.num_kv_heads, sg.k_head_dim, sg.v_head_dim,
+                         swa_dtype or dtype, device)
             return cls(full, swa, fg.layer_ids, sg.layer_ids, kv_source=sources)
         if not fg.num_layers or not sg.num_layers or fg.same_shape(sg):
             shape = fg if fg.num_layers else sg

@@ -17,6 +17,7 @@ from swaserve.layers.linear import MergedLinear
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm, add_norm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
+from swaserve.models.kv_scales import layer_kv_scales, take_kv_scale
 from swaserve.models.quantization import apply_fp8, check_quant_method, keep_stored_dtypes
 
 if TYPE_CHECKING:
@@ -142,6 +143,8 @@ class CausalLM(nn.Module):
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, tied, softcap)
         # Block-FP8 checkpoints (or --quantization fp8): the projections and experts they cover, e4m3.
         self.fp8 = apply_fp8(self, hf, self.map_weight_name, hf_module_names)
+        # layer id -> (k_scale, v_scale): the checkpoint's FP8 KV-cache scales, if it has them (`models.kv_scales`).
+        self.kv_cache_scales: dict[int, tuple[float, float]] = {}
 
     def _apply(self, fn, recurse: bool = True) -> nn.Module:
         # `model.to(dtype)` casts every parameter: FP8 weights and their scales keep their dtypes, and
@@ -234,11 +237,13 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         named = NamedWeights(self)
+        kv_scales: dict[int, dict[str, float]] = {}
         for name, tensor in weights:
             target = self.map_weight_name(name)
-            if target is not None:
+            if target is not None and not take_kv_scale(kv_scales, target, tensor):
                 self.load_one(named, name, target, tensor)
         named.finish()
+        self.kv_cache_scales = layer_kv_scales(kv_scales)
 
     def load_one(self, named: NamedWeights, name: str, target: str, tensor: torch.Tensor) -> None:
         """One mapped tensor into the model (a family whose checkpoints store experts one by one

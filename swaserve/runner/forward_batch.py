@@ -20,6 +20,9 @@ class BatchAttention(Protocol):
     def kv_target(self, spec: Any, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ...
 
+    def kv_scales(self, spec: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, spec: Any,
                 batch: ForwardBatch, sinks: torch.Tensor | None = None, kv_stored: bool = False,
                 ) -> torch.Tensor:

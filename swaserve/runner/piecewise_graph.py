@@ -108,6 +108,9 @@ class _Cut:
     def kv_target(self, spec: AttentionSpec, batch: ForwardBatch):
         return self.real.kv_target(spec, batch)
 
+    def kv_scales(self, spec: AttentionSpec):
+        return self.real.kv_scales(spec)
+
     def forward(self, q, k, v, spec, batch, sinks=None, kv_stored=False) -> torch.Tensor:
         n, r = q.shape[0], self.runner
         r.q_stage.view(n, spec.num_heads, spec.head_dim).copy_(q)

@@ -31,11 +31,13 @@ extend_attention = importlib.import_module("swaserve.kernels.extend_attention")
 norm = importlib.import_module("swaserve.kernels.norm")
 qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
+store_kv = importlib.import_module("swaserve.kernels.store_kv")
+unified_attention = importlib.import_module("swaserve.kernels.unified_attention")
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMEM = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-        torch.int64: "*i64"}
+        torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
 _READ = re.compile(r"\b(ld\.global|cp\.async)")
 _WRITE = re.compile(r"\b(st\.global|atom\.global|red\.global)")
 
@@ -145,6 +147,42 @@ def _attention_cases() -> list[tuple]:
     return cases
 
 
+def _fp8_kv_cases() -> list[tuple]:
+    """FP8 (e4m3) KV pools at Gemma 3's head (d256, 4 q heads a kv head, bf16): the stores (the fused
+    norm/rotary/store, `store_kv`) and every attention kernel reading e4m3 tiles (decode split and
+    direct, extend with e4m3 new tokens, the unified kernel's extend and decode). `store_kv`,
+    extend and unified have no PDL form (their PDL checks are skipped)."""
+    f8, bf16, T = torch.float8_e4m3fn, torch.bfloat16, 4
+    q, out = torch.zeros(T, 4, 256, dtype=bf16), torch.zeros(T, 4, 256, dtype=bf16)
+    kv = torch.zeros(64, 1, 256, dtype=f8)
+    sc = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
+    ip, ix, locs = torch.zeros(T + 1, dtype=torch.int32), torch.zeros(64, dtype=torch.int32), torch.zeros(T, dtype=torch.int64)
+    table, rows, seq = torch.zeros(8, 1024, dtype=torch.int32), torch.zeros(T, dtype=torch.int32), torch.ones(T, dtype=torch.int32)
+    cos = torch.zeros(T, 128)
+    return [
+        ("qk_norm_rope_store[fp8 kv]", qk_norm_rope, "_qk_norm_rope_store_kernel",
+         lambda: qk_norm_rope.qk_norm_rope_store(torch.zeros(T, 6 * 256, dtype=bf16), 4, 1, 256, cos, cos,
+                                                 torch.zeros(256, dtype=bf16), torch.zeros(256, dtype=bf16), 1e-6, kv,
+                                                 kv, locs, unit_offset=True, **sc)),
+        ("store_kv[fp8 kv]", store_kv, "_store_kv_kernel",
+         lambda: store_kv.store_kv(kv, kv, locs, torch.zeros(T, 1, 256, dtype=bf16), torch.zeros(T, 1, 256, dtype=bf16),
+                                   loc_map=ip, **sc)),
+        ("decode_stage1[fp8 kv, split]", decode_attention, "_decode_stage1",
+         lambda: decode_attention.decode_attention(q, kv, kv, ip, ix, out, 0.06, num_kv_splits=4, **sc)),
+        ("decode_stage1[fp8 kv, direct]", decode_attention, "_decode_stage1",
+         lambda: decode_attention.decode_attention(q, kv, kv, ip, ix, out, 0.06, num_kv_splits=1, **sc)),
+        ("extend[fp8 kv]", extend_attention, "_extend_kernel",
+         lambda: extend_attention.extend_attention(q, kv[:T], kv[:T], out, kv, kv, ip, ip, ix, ip[:T], 1.0,
+                                                   max_extend_len=T, window=1024, **sc)),
+        ("unified[fp8 kv, extend]", unified_attention, "_unified_kernel",
+         lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=T,
+                                                     window=1024, **sc)),
+        ("unified merge[fp8 kv, decode]", unified_attention, "_merge_kernel",
+         lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=1,
+                                                     programs="chunk", **sc)),
+    ]
+
+
 def main() -> None:
     bf16, f32 = torch.bfloat16, torch.float32
     T, dim, inter = 4, 1152, 6912
@@ -196,7 +234,7 @@ def main() -> None:
         ("decode_stage2", decode_attention, "_decode_stage2",
          lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=4)),
     ]
-    cases += _attention_cases()
+    cases += _attention_cases() + _fp8_kv_cases()
     for dtype in (bf16, f32):
         tag = "bf16" if dtype == bf16 else "fp32"
         xs = torch.zeros(T, inter, dtype=dtype)

@@ -155,6 +155,9 @@ class RecordingBackend:
     def kv_target(self, spec, batch):
         return self.k_buf, self.v_buf, self.locs
 
+    def kv_scales(self, spec):
+        return None
+
     def forward(self, q, k, v, spec, batch, sinks=None, kv_stored=False):
         copy = lambda t: None if t is None else t.clone()  # noqa: E731
         self.seen = {"q": q.clone(), "k": copy(k), "v": copy(v), "kv_stored": kv_stored}

@@ -4,7 +4,8 @@ GPU run would otherwise be the first to see: each kernel releases the next one, 
 previous one (`griddepcontrol.wait`) before it writes anything; only the weight-streaming GEMMs
 read before the wait (their first weight tile, the point of PDL for them: the compiler must keep
 that load above the wait), and every default launch configuration fits the H100's shared memory
-(fp32 skinny tiles once did not), Gemma 4's d256/d512 decode and extend attention included."""
+(fp32 skinny tiles once did not), Gemma 4's d256/d512 decode and extend attention included, and the
+FP8 KV cache's stores and attention kernels (e4m3 pools)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "decode_stage1[d512 g8, direct]", "decode_stage1[d512 g8, split]", "decode_stage2[d512]",
             "decode_stage1[d256 g2, direct]", "extend[d256 g2, bf16]", "extend[d512 g8, bf16]",
             "extend[d512 g8, fp32]", "qk_norm_rope_store[d512 k_eq_v]", "qk_norm_rope_store[d256 v_norm]",
-            "qk_norm_rope_store[q only]"} <= names
+            "qk_norm_rope_store[q only]", "qk_norm_rope_store[fp8 kv]", "store_kv[fp8 kv]",
+            "decode_stage1[fp8 kv, split]", "decode_stage1[fp8 kv, direct]", "extend[fp8 kv]",
+            "unified[fp8 kv, extend]", "unified merge[fp8 kv, decode]"} <= names
     for r in rows:
         assert r["fits_h100"], r
-        if r["kernel"].startswith("extend"):  # a prefill kernel: no PDL form
+        if r["kernel"].startswith(("extend", "store_kv", "unified")):  # no PDL form
             continue
         assert r["pdl_wait"] and r["release_before_wait"] and r["writes_before_wait"] == 0, r
         weight_streaming = r["kernel"].startswith("skinny")

@@ -282,3 +282,17 @@ def save_fp8(model: torch.nn.Module, out_dir: Path, ignored: list[str]) -> None:
     config = json.loads((out_dir / "config.json").read_text())
     config["quantization_config"] = fp8_config(ignored)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def add_kv_scales(out_dir: Path, scales: dict[int, tuple[float, float]]) -> None:
+    """Write static FP8 KV-cache scales into a saved checkpoint as calibration tools store them:
+    `model.layers.N.self_attn.k_scale` / `v_scale`, one float32 scalar each (layer N: scales[N])."""
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(out_dir.glob("*.safetensors"))
+    assert len(files) == 1, files
+    state = load_file(str(files[0]))
+    for layer, (k, v) in scales.items():
+        state[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+        state[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+    save_file(state, str(files[0]), metadata={"format": "pt"})

@@ -15,12 +15,15 @@ class Params:  # the SamplingParams fields the scheduler reads
         self.prompt_logprobs = None
 
 
-def small_hybrid_runtime(path, backend: str):
+def small_hybrid_runtime(path, backend: str, kv_cache_dtype: str = "auto"):
     """A CPU fp32 runtime of the model at `path` with a small SWA pool (~1/4 of the full one) that
     recycles slots, so full and SWA indices diverge (an untranslated list would read the wrong
-    rows), eviction at once (margin 0, chunk 1), and prefill chunks of 7 tokens."""
+    rows), eviction at once (margin 0, chunk 1), and prefill chunks of 7 tokens. `fp8_e4m3`: the
+    same pool sizes, in a quarter of the bytes."""
     config, model = load_model_from_dir(path, "cpu", torch.float32)
-    cache = CacheConfig(kv_cache_bytes=60_000, swa_full_tokens_ratio=0.25, swa_evict_margin=0, swa_evict_chunk=1)
+    budget = 60_000 if kv_cache_dtype == "auto" else 15_000
+    cache = CacheConfig(kv_cache_bytes=budget, swa_full_tokens_ratio=0.25, swa_evict_margin=0, swa_evict_chunk=1,
+                        kv_cache_dtype=kv_cache_dtype)
     sched = SchedulerConfig(max_running_requests=4, max_prefill_tokens=7)  # chunks cross W = 8
     return build_runtime(config, model, torch.device("cpu"), torch.float32, cache, sched,
                          RunnerConfig(attention_backend=backend))

@@ -25,11 +25,11 @@ def _sampled(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8, ignore_eos=True, logprobs=2, seed=100 + i)
 
 
-def _engine(path, dtype, deterministic: bool, chunk: int, policy: str = "mixed") -> Engine:
+def _engine(path, dtype, deterministic: bool, chunk: int, policy: str = "mixed", kv: str = "auto") -> Engine:
     config, model = load_model_from_dir(path, "cpu", dtype)
     return Engine(LoadedModel(config, model, None, "tiny"), device="cpu", dtype=dtype, kv_cache_bytes=400_000,
                   max_running_requests=8, max_prefill_tokens=chunk, schedule_policy=policy,
-                  enable_deterministic_inference=deterministic, disable_prefix_cache=True)
+                  enable_deterministic_inference=deterministic, disable_prefix_cache=True, kv_cache_dtype=kv)
 
 
 def _drain(engine: Engine, arrivals: list[tuple[int, str, list[int], SamplingParams]]) -> dict[str, tuple]:
@@ -52,15 +52,16 @@ def _probes(sampled: bool) -> list[tuple[str, list[int], SamplingParams]]:
     return [(f"p{i}", p, _sampled(i) if sampled else GREEDY) for i, p in enumerate(PROBES)]
 
 
-def _alone(path, dtype, deterministic: bool, sampled: bool) -> dict[str, tuple]:
-    engine = _engine(path, dtype, deterministic, chunk=7)
+def _alone(path, dtype, deterministic: bool, sampled: bool, kv: str = "auto") -> dict[str, tuple]:
+    engine = _engine(path, dtype, deterministic, chunk=7, kv=kv)
     res = {}
     for rid, prompt, params in _probes(sampled):
         res.update(_drain(engine, [(0, rid, prompt, params)]))
     return res
 
 
-def _loaded(path, dtype, deterministic: bool, sampled: bool, chunk: int, policy: str, seed: int) -> dict[str, tuple]:
+def _loaded(path, dtype, deterministic: bool, sampled: bool, chunk: int, policy: str, seed: int,
+            kv: str = "auto") -> dict[str, tuple]:
     """The probes among 8 other requests (greedy and sampled, some longer than the window), in a
     shuffled order with staggered arrivals, so they share steps in varying company."""
     rng = random.Random(seed)
@@ -70,7 +71,7 @@ def _loaded(path, dtype, deterministic: bool, sampled: bool, chunk: int, policy:
     reqs = _probes(sampled) + others
     rng.shuffle(reqs)
     arrivals = [(rng.randrange(0, 6), rid, p, sp) for rid, p, sp in reqs]
-    res = _drain(_engine(path, dtype, deterministic, chunk, policy), arrivals)
+    res = _drain(_engine(path, dtype, deterministic, chunk, policy, kv), arrivals)
     return {k: v for k, v in res.items() if k.startswith("p")}
 
 
@@ -95,6 +96,13 @@ def test_default_path_is_not_batch_invariant(gemma3_dir):
     alone = _alone(gemma3_dir, torch.float32, False, False)
     loaded = _loaded(gemma3_dir, torch.float32, False, False, 5, "mixed", 1)
     assert loaded != alone
+
+
+def test_fp8_kv_probes_identical_alone_and_batched(gemma3_dir):
+    """An FP8 KV cache keeps the mode's guarantee: quantising on store and dequantising on read are
+    elementwise, so the probes' bits still depend on neither their company nor their chunking."""
+    alone = _alone(gemma3_dir, torch.float32, True, False, kv="fp8_e4m3")
+    assert _loaded(gemma3_dir, torch.float32, True, False, 5, "mixed", 1, kv="fp8_e4m3") == alone
 
 
 def test_moe_probes_identical_alone_and_batched(tmp_path):

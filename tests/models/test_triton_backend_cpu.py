@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import make_hf_model
+from families import add_kv_scales, make_hf_model
 
 pytest.importorskip("triton")
 
@@ -41,6 +41,18 @@ def test_triton_backend_matches_torch_native_gemma4(tmp_path, family):
     make_hf_model(family, tmp_path, seed=5)
     ref, tri = runtime(tmp_path, "torch_native"), runtime(tmp_path, "triton")
     assert tri.kv.swa_space and tri.kv.full.k_buffer(0).shape[1:] != tri.kv.swa.k_buffer(0).shape[1:]
+    _run_side_by_side(ref, tri)
+
+
+def test_triton_backend_matches_torch_native_fp8_kv(tmp_path):
+    """FP8 KV pools with a checkpoint's per-layer scales (not 1, different per layer): the fused
+    norm/rotary/store, the extend kernel reading new tokens back from the pool, and decode, in both
+    index spaces, give the oracle's logits (the oracle dequantises what the torch quantiser stored)."""
+    make_hf_model("gemma3", tmp_path, seed=5)
+    add_kv_scales(tmp_path, {0: (0.5, 2.0), 1: (0.25, 1.5), 2: (2.0, 0.75), 3: (1.0, 4.0)})
+    ref, tri = runtime(tmp_path, "torch_native", "fp8_e4m3"), runtime(tmp_path, "triton", "fp8_e4m3")
+    assert tri.kv.dtype_of(1) == tri.kv.dtype_of(2) == torch.float8_e4m3fn and tri.kv.swa_space
+    assert [float(s) for s in tri.kv.kv_scales(2)] == [2.0, 0.75]
     _run_side_by_side(ref, tri)
 
 
