@@ -102,6 +102,8 @@ def _shut_down(channel: StepChannel, procs: RankProcesses, device: torch.device)
     except RuntimeError:
         sent = False  # a rank is gone already
     release_device_memory(device)  # no collective of ours still queued when the group goes
+    if tp_group().one_shot is not None:
+        tp_group().one_shot.close()
     if dist.is_initialized():
         # Every rank destroys its groups on the stop message, and NCCL's communicator teardown is
         # collective: rank 0 takes part now, not after joining the ranks (they would wait in it for rank

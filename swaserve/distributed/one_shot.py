@@ -43,6 +43,12 @@ class OneShotAllReduce:
         self._copy_out = getattr(ops, "one_shot_all_reduce_copy_out", None)
         self._out = ops.one_shot_all_reduce_out
 
+    def close(self) -> None:
+        """Drop the buffer (its peers' mappings go with it) before the group is destroyed; every
+        message goes to NCCL afterwards."""
+        self.capacity = 0
+        self.buffer = None
+
     def fits(self, x: torch.Tensor) -> bool:
         """Whether `x` goes one-shot: this dtype, contiguous, within the buffer, a whole number of 4-byte
         words (the kernel's smallest vector), and starting 16-byte aligned in its storage like the

@@ -64,6 +64,8 @@ def run_rank(spec: RankSpec) -> None:
         if spec.parent_pid and os.getppid() != spec.parent_pid:
             os._exit(0)  # rank 0 is gone: its peers' collectives fail; nothing to report
         raise
+    if group.one_shot is not None:
+        group.one_shot.close()
     torch.distributed.destroy_process_group()
     # Skip the interpreter's teardown: gloo's threads can still be joinable when C++ statics are
     # destroyed, and std::terminate then aborts a rank that finished cleanly (seen as exit code -6).

@@ -27,6 +27,8 @@ def test_fits_only_contiguous_messages_of_its_dtype_within_the_buffer():
     rows = torch.zeros(3, 260, dtype=torch.bfloat16)
     assert one.fits(rows[2:])  # starts 1040 bytes in: 16-byte aligned
     assert not one.fits(rows.view(-1)[2:10])  # starts 4 bytes in
+    one.close()  # before the group goes: everything to NCCL from then on
+    assert one.buffer is None and not one.fits(torch.zeros(4, 256, dtype=torch.bfloat16))
 
 
 class _Recorder:
