@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Per-job logs and junit reports: outside $OUT, whose files the device machine returns only 8 of (the
+# step logs, benchmarks.log, gpu_report.jsonl, test_times.json and jobs.tsv).
+WORK = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check_work"))
+T0 = time.time()  # the run's start: jobs' start offsets in $OUT/jobs.tsv are from here
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 # Opt-in fast paths: graph padding must stay bit-identical with all of them on.
 FAST_PATHS = {"SWASERVE_SKINNY_GEMM": "1", "SWASERVE_PDL": "1", "SWASERVE_FUSED_SPLIT_COMBINE": "1"}
@@ -126,10 +130,10 @@ def make_jobs(step: Step, ids: list[str], known: dict[str, float]) -> list[Job]:
     return jobs
 
 
-def run_job(job: Job, gpus: list[str], out: Path, deadline: float) -> None:
+def run_job(job: Job, gpus: list[str], deadline: float) -> None:
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job.key)
-    xml = out / "junit" / f"{safe}.xml"
-    log = out / "jobs" / f"{safe}.log"
+    xml = WORK / "junit" / f"{safe}.xml"
+    log = WORK / "jobs" / f"{safe}.log"
     marker = ["-m", job.step.marker] if job.step.marker else []
     left = deadline - time.time()
     if left > 30:  # a hang shows where it is stuck before the job is killed
@@ -155,7 +159,8 @@ def run_job(job: Job, gpus: list[str], out: Path, deadline: float) -> None:
                 except subprocess.TimeoutExpired:
                     pass
             rc = "timeout"
-    job.result = {"rc": rc, "seconds": round(time.time() - start, 1), "gpus": gpus, **junit_counts(xml),
+    job.result = {"rc": rc, "start": round(start - T0, 1), "seconds": round(time.time() - start, 1), "gpus": gpus,
+                  **junit_counts(xml),
                   "times": junit_times(xml, job.step.name)}
     if rc != 0 and not job.result["failed"] and not job.result["errors"]:
         job.result["errors"] = 1  # a crash or timeout that left no test failure behind still fails the step
@@ -216,7 +221,7 @@ class Pool:
             self.cv.notify_all()
 
 
-def run_pool(jobs: list[Job], gpus: list[str], slots: int, out: Path, deadline: float) -> None:
+def run_pool(jobs: list[Job], gpus: list[str], slots: int, deadline: float) -> None:
     pool, threads = Pool(gpus, slots), []
     for job in sorted(jobs, key=lambda j: -j.estimate):
         g = pool.acquire(job)
@@ -227,7 +232,7 @@ def run_pool(jobs: list[Job], gpus: list[str], slots: int, out: Path, deadline: 
 
         def work(job: Job = job, g: str = g) -> None:
             try:
-                run_job(job, [g], out, deadline)
+                run_job(job, [g], deadline)
             finally:
                 pool.release(g, job)
 
@@ -258,7 +263,7 @@ def run_bench(name: str, cmd: list[str], out: Path, limit: float, gpus: list[str
 def merge_logs(out: Path, steps: list[str]) -> None:
     """One log per step (the device machine returns at most 8 files): the jobs' logs in order."""
     for name in steps:
-        parts = sorted((out / "jobs").glob(f"{name}_*.log"))
+        parts = sorted((WORK / "jobs").glob(f"{name}_*.log"))
         with open(out / f"{name}.log", "w") as f:
             f.writelines(f"===== {p.stem}\n{p.read_text(errors='replace')}\n" for p in parts)
 
@@ -271,10 +276,10 @@ def main() -> int:
                     help="test processes at once per GPU (kernel tests are compile-bound: CPU work)")
     ap.add_argument("--steps", default="a,b,c,d,e", help="which steps (letters), default all")
     a = ap.parse_args()
-    t0 = time.time()
+    t0 = T0
     deadline = t0 + a.budget
     out = Path(os.environ.get("OUT", "/tmp/out"))
-    for d in (out, out / "junit", out / "jobs"):
+    for d in (out, WORK / "junit", WORK / "jobs"):
         d.mkdir(parents=True, exist_ok=True)
     (out / "benchmarks.log").unlink(missing_ok=True)
     gpus = visible_gpus()
@@ -308,7 +313,7 @@ def main() -> int:
 
     # Multi-GPU jobs run beside the pool, each capped, on disjoint sets of MULTI_GPUS GPUs at once (two
     # jobs in parallel on 4 GPUs): one at a time, they outlasted the tests' time on a busy machine.
-    queue = list(multi)
+    queue = sorted(multi, key=lambda j: -j.estimate)  # the longest first
     lock = threading.Lock()
 
     def run_multi(group: list[str]) -> None:
@@ -317,18 +322,24 @@ def main() -> int:
                 if not queue:
                     return
                 job = queue.pop(0)
-            run_job(job, group, out, min(tests_deadline, time.time() + MULTI_JOB_LIMIT_S))
+            run_job(job, group, min(tests_deadline, time.time() + MULTI_JOB_LIMIT_S))
 
     groups = [gpus[i : i + MULTI_GPUS] for i in range(0, len(gpus) - MULTI_GPUS + 1, MULTI_GPUS)]
     beside = [threading.Thread(target=run_multi, args=(g,)) for g in groups]
     for t in beside:
         t.start()
-    run_pool(jobs, gpus, a.slots_per_gpu - (1 if multi else 0), out, tests_deadline)
+    run_pool(jobs, gpus, a.slots_per_gpu - (1 if multi else 0), tests_deadline)
     for t in beside:
         t.join()
     every = jobs + multi
     times = {k: v for j in every for k, v in j.result.get("times", {}).items()}
     (out / "test_times.json").write_text(json.dumps(times, indent=0, sort_keys=True))
+    with open(out / "jobs.tsv", "w") as f:  # when each job ran where: the schedule, to pack the next run
+        f.write("start\tseconds\testimate\tgpus\trc\tjob\n")
+        for j in sorted(every, key=lambda j: j.result.get("start", 1e9)):
+            r = j.result
+            f.write(f"{r.get('start', '-')}\t{r.get('seconds', 0)}\t{j.estimate:.0f}\t{','.join(r.get('gpus', []))}\t"
+                    f"{r.get('rc')}\t{j.key}\n")
     for j in sorted(every, key=lambda j: -j.result.get("seconds", 0))[:12]:
         print(f"   {j.result.get('seconds', 0):6.1f}s  {j.key}")
     merge_logs(out, [s.name for s in steps])

@@ -18,7 +18,7 @@ export SWASERVE_GPU_REPORT="$OUT/gpu_report.jsonl"
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi unavailable"
 source scripts/carried_wheels.sh  # the packages the GPU machine lacks
-python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
+python3 - <<'PY' 2>&1 | tee /tmp/gpu_check_env.txt
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "| devices:",
       [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] or "NO CUDA DEVICE")

@@ -16,7 +16,14 @@ import torch.distributed as dist
 from swaserve.config import ParallelConfig, split_engine_options
 from swaserve.distributed.channel import StepChannel, StepMessage
 from swaserve.distributed.launch import RankProcesses, rank_device, start_ranks
-from swaserve.distributed.state import TPGroup, broadcast_from_first, gather_digests, set_tp_group, tp_group
+from swaserve.distributed.state import (
+    TPGroup,
+    broadcast_from_first,
+    gather_digests,
+    release_graphs,
+    set_tp_group,
+    tp_group,
+)
 from swaserve.distributed.worker import run_rank
 from swaserve.memory.table_ops import table_digest
 
@@ -102,6 +109,7 @@ def _shut_down(channel: StepChannel, procs: RankProcesses, device: torch.device)
     except RuntimeError:
         sent = False  # a rank is gone already
     release_device_memory(device)  # no collective of ours still queued when the group goes
+    release_graphs()  # NCCL keeps a communicator that a live graph captured: they go first
     if tp_group().one_shot is not None:
         tp_group().one_shot.close()
     if dist.is_initialized():

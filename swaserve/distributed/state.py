@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakSet
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ class TPGroup:
     `ordered` (deterministic mode): `all_reduce` sums the ranks' partials in rank order;
     `expert_parallel` (`--enable-expert-parallel`): MoE layers give each rank whole experts
     (`split_experts`) instead of a share of every expert's width;
-    `one_shot`: the peer-memory all-reduce for small messages (`one_shot.OneShotAllReduce`), or None."""
+    `one_shot`: the peer-memory all-reduce for small messages (`one_shot.OneShotAllReduce`), or None;
+    `graphs`: the CUDA graphs made while this group is up (`new_cuda_graph`)."""
 
     rank: int = 0
     size: int = 1
@@ -33,6 +35,7 @@ class TPGroup:
     ordered: bool = False
     expert_parallel: bool = False
     one_shot: Any = None
+    graphs: WeakSet = field(default_factory=WeakSet, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -51,6 +54,26 @@ def tp_group() -> TPGroup:
 def set_tp_group(group: TPGroup) -> None:
     global _TP
     _TP = group
+
+
+def new_cuda_graph() -> torch.cuda.CUDAGraph:
+    """A CUDA graph to capture into; in a group of several ranks it is tracked (`release_graphs`)."""
+    graph = torch.cuda.CUDAGraph()
+    if _TP.enabled:
+        _TP.graphs.add(graph)
+    return graph
+
+
+def release_graphs() -> int:
+    """Reset every live CUDA graph made while this group was up, before its communicator goes: NCCL
+    (2.26 on) will not destroy a communicator while a graph that captured one of its collectives lives,
+    and polls for them forever (both ranks of a closing TP=2 engine hung there on 4x H100). The engine
+    is closing, so nothing replays them again. Returns how many were reset."""
+    graphs = list(_TP.graphs)
+    for g in graphs:
+        g.reset()
+    _TP.graphs.clear()
+    return len(graphs)
 
 
 @contextmanager

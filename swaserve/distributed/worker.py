@@ -38,7 +38,7 @@ def run_rank(spec: RankSpec) -> None:
     """Process entry point of rank `spec.rank`."""
     from swaserve.config import split_engine_options
     from swaserve.distributed.launch import group_options, init_rank
-    from swaserve.distributed.state import gather_vocab_tables
+    from swaserve.distributed.state import gather_vocab_tables, release_graphs
     from swaserve.engine_setup import load_engine_model
     from swaserve.runtime import build_runtime, size_runtime, start_runner
 
@@ -64,6 +64,9 @@ def run_rank(spec: RankSpec) -> None:
         if spec.parent_pid and os.getppid() != spec.parent_pid:
             os._exit(0)  # rank 0 is gone: its peers' collectives fail; nothing to report
         raise
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        release_graphs()  # NCCL keeps a communicator that a live graph captured: they go first
     if group.one_shot is not None:
         group.one_shot.close()
     torch.distributed.destroy_process_group()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from swaserve.distributed.state import new_cuda_graph
 from swaserve.runner.decode_graph import DecodeGraphRunner
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def capture_per_size(sizes: list[int], run_once: Callable[[int], T], device: tor
             for _ in range(2):
                 run_once(bs)
             stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
+            graph = new_cuda_graph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs[bs] = run_once(bs)
         pool = graph.pool() if pool is None else pool

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from swaserve.distributed.state import new_cuda_graph
 from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -246,7 +247,7 @@ class PiecewiseGraphRunner:
         def next_piece(site: Site | None = None, m: int = 0) -> None:
             if pieces:
                 pieces[-1].capture_end()
-            pieces.append(torch.cuda.CUDAGraph())
+            pieces.append(new_cuda_graph())
             pieces[-1].capture_begin(pool=pool)
 
         next_piece()

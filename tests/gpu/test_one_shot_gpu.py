@@ -80,6 +80,7 @@ def _rank(rank: int, addr: str, out: mp.Queue) -> None:
             "graph_replay_equals_gather": torch.equal(static, want_fresh),
             "us": us,
         })
+    del graph  # NCCL (2.26 on) keeps a communicator while a graph that captured it lives
     state.set_tp_group(state.TPGroup())
     group.one_shot.close()  # as the engine's shutdown does, before the group goes
     torch.cuda.synchronize()
