@@ -366,7 +366,13 @@ def write_model_dir(path: str | Path, hf, weights: bool = False, tokenizer: str 
     if tokenizer == "embedded":
         from swaserve.tokenizer import Tokenizer
 
-        Tokenizer.load(None).hf.save_pretrained(path)
+        carried = Path(__file__).resolve().parents[1] / ".gpu_assets" / "gemma_tok"
+        if carried.is_dir():  # the GPU machine has no embedded checkpoint: its tokenizer travels (gpu_suite.sh)
+            import shutil
+
+            shutil.copytree(carried, path, dirs_exist_ok=True)
+        else:
+            Tokenizer.load(None).hf.save_pretrained(path)
     elif tokenizer == "words":
         from tokenizers import Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast

@@ -5,6 +5,7 @@ the engine down with a clear error when a rank dies (a collective would otherwis
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -27,6 +28,10 @@ from swaserve.distributed.state import TPGroup, set_tp_group
 logger = logging.getLogger(__name__)
 DEATH_GRACE_S = 2.0  # after a rank dies, the engine's own collective gets this long to fail first
 JOIN_TIMEOUT_S = 30.0  # how long a closing engine waits for its ranks before it kills them
+# Tensor-parallel engines this process started; each names its torch.distributed groups from its own
+# base (`init_rank`), GROUP_NAMES_PER_ENGINE apart (an engine makes 2: the device group and the host one).
+_ENGINES = itertools.count()
+GROUP_NAMES_PER_ENGINE = 8
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class RankSpec:
     dtype: Any
     engine_options: dict[str, Any] = field(default_factory=dict)
     parent_pid: int = 0  # the process that spawned this rank: when it is gone, the rank exits
+    group_base: int = 0  # where the engine's group names start (`init_rank`): rank 0's, on every rank
 
 
 def rank_device(device: torch.device, rank: int, par: ParallelConfig) -> torch.device:
@@ -65,13 +71,20 @@ def free_local_addr() -> str:
 
 
 def init_rank(rank: int, world_size: int, init_addr: str, device: torch.device, ordered: bool = False,
-              expert_parallel: bool = False, one_shot_dtype: torch.dtype | None = None) -> TPGroup:
+              expert_parallel: bool = False, one_shot_dtype: torch.dtype | None = None,
+              group_base: int = 0) -> TPGroup:
     """Join the group (NCCL on GPUs, gloo on CPU, plus a gloo group for host messages) and make it
     this process's tensor-parallel group (`ordered`: deterministic mode's rank-order all-reduce;
     `expert_parallel`: MoE layers built next hold whole experts; `one_shot_dtype`: set up the one-shot
-    all-reduce for messages of that dtype, `one_shot.py`)."""
+    all-reduce for messages of that dtype, `one_shot.py`; `group_base`: see below)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # torch names groups from a counter that it resets when they are destroyed, and symmetric memory
+    # keeps a group's store under that name for the life of the process: a second engine in this
+    # process would rendezvous its one-shot buffer on the first engine's dead store and wait forever
+    # (seen on 4x H100). So each engine's names start at a base of its own, equal on every rank (the
+    # names key the groups' rendezvous too).
+    dist.distributed_c10d._world.group_count = group_base
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size,
@@ -160,9 +173,12 @@ def start_ranks(par: ParallelConfig, model: str | None, device: torch.device, dt
     per_node = par.tensor_parallel_size // par.nnodes
     addr = par.dist_init_addr or free_local_addr()
     first = par.node_rank * per_node
+    # Ranks on other nodes (`serve_node`) cannot learn the base: an engine spanning nodes starts at 0 (a second
+    # one in this process, on GPUs with the one-shot all-reduce, would meet the stale store above).
+    base = next(_ENGINES) * GROUP_NAMES_PER_ENGINE if par.nnodes == 1 else 0
     specs = [RankSpec(r, par.tensor_parallel_size, addr, str(rank_device(device, r, par)), model, dtype,
-                      engine_options, os.getpid()) for r in range(first + 1, first + per_node)]
+                      engine_options, os.getpid(), base) for r in range(first + 1, first + per_node)]
     procs = RankProcesses(specs, run_rank)
     group = init_rank(first, par.tensor_parallel_size, addr, rank_device(device, first, par),
-                      **group_options(engine_options, dtype))
+                      **group_options(engine_options, dtype), group_base=base)
     return group, procs

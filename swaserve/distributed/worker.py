@@ -47,7 +47,7 @@ def run_rank(spec: RankSpec) -> None:
         _exit_with_parent(spec.parent_pid)
     device = torch.device(spec.device)
     group = init_rank(spec.rank, spec.world_size, spec.init_addr, device,
-                      **group_options(spec.engine_options, spec.dtype))
+                      **group_options(spec.engine_options, spec.dtype), group_base=spec.group_base)
     cache_cfg, sched_cfg, runner_cfg, _, spec_cfg = split_engine_options(spec.engine_options)
     loaded, config = load_engine_model(spec.model, device, spec.dtype, sched_cfg, runner_cfg)
     if spec_cfg.speculative_method is None:

