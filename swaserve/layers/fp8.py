@@ -119,6 +119,12 @@ def dequantize(
     return (weight.float() * s).to(dtype)
 
 
+def _div(x: torch.Tensor, d: float) -> torch.Tensor:
+    """`x / d` correctly rounded on every device: CUDA torch multiplies by a Python scalar's reciprocal
+    instead of dividing, a last-bit difference from the CPU's (and the kernels') scales."""
+    return x / torch.full_like(x, d)
+
+
 @torch.no_grad()
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[.., N, K]` -> (float8_e4m3fn `[.., N, K]`, float32 scales `[.., ceil(N/128), ceil(K/128)]`):
@@ -130,7 +136,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[..., :n, :k] = w.float()
     blocks = padded.view(*lead, nb, BLOCK, kb, BLOCK)
     amax = blocks.abs().amax(dim=(-3, -1))  # [.., nb, kb]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k].contiguous(), scale
 
@@ -143,6 +149,6 @@ def quantize_act_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = x.float().new_zeros(m, kb * BLOCK)
     padded[:, :k] = x.float()
     groups = padded.view(m, kb, BLOCK)
-    scale = groups.abs().amax(dim=-1).clamp(min=_EPS) / FP8_MAX
+    scale = _div(groups.abs().amax(dim=-1).clamp(min=_EPS), FP8_MAX)
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(m, kb * BLOCK)[:, :k].contiguous(), scale

@@ -73,13 +73,33 @@ def rank_processes() -> list[psutil.Process]:
             if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
 
 
+def record_allocations() -> None:
+    """Keep each allocation's stack from here on, for `live_blocks` to name what outlives an engine."""
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+
+def live_blocks(n: int = 6) -> str:
+    """The `n` largest allocations still live on GPU 0, each with the frames (swaserve's and the tests')
+    that made it."""
+    blocks = [b for seg in torch.cuda.memory._snapshot()["segments"] if seg["device"] == 0
+              for b in seg["blocks"] if b["state"] == "active_allocated"]
+    lines = []
+    for b in sorted(blocks, key=lambda b: -b["size"])[:n]:
+        frames = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in b.get("frames", [])
+                  if "swaserve" in f["filename"] or "tests" in f["filename"]][:8]
+        lines.append(f"  {b['size'] / GIB:.3f} GiB <- " + " < ".join(frames))
+    return "\n".join(lines) or "  (no live allocations: cached blocks only)"
+
+
 def assert_back(before: float, ranks: list[psutil.Process], what: str) -> None:
     """The rank processes exited (the driver frees all of an exited process's memory) and this process
     gave back what the engine took."""
     _, alive = psutil.wait_procs(ranks, timeout=10)
     assert not alive, f"{what}: rank processes still running: {alive}"
     held = held_gib()
-    assert held <= before + LEFT_BEHIND / GIB, f"{what}: this process holds {held - before:.2f} GiB more than before"
+    assert held <= before + LEFT_BEHIND / GIB, (
+        f"{what}: this process holds {held - before:.2f} GiB more than before; largest live allocations:\n"
+        f"{live_blocks()}")
 
 
 def test_tp2_greedy_fp32_equals_tp1_on_real_shape_dummy_weights(shape_dir):
@@ -97,6 +117,7 @@ def test_tp2_greedy_fp32_equals_tp1_on_real_shape_dummy_weights(shape_dir):
 
 
 def test_tp2_with_block_gc_and_close_give_both_gpus_memory_back(shape_dir):
+    record_allocations()
     before = held_gib()
     kw = {"dtype": "bfloat16", "tensor_parallel_size": 2, "gpu_memory_fraction": 0.5, **OPTIONS}
     with LLM(shape_dir, **kw) as llm:
@@ -119,6 +140,7 @@ def test_tp2_with_block_gc_and_close_give_both_gpus_memory_back(shape_dir):
 
 
 def test_tp1_close_gives_the_gpu_memory_back(shape_dir):
+    record_allocations()
     before = held_gib()
     llm = LLM(shape_dir, dtype="bfloat16", gpu_memory_fraction=0.5, **OPTIONS)
     greedy(llm, 4)

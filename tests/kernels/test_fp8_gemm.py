@@ -58,7 +58,11 @@ def test_gemm_matches_dequantised_reference(device, seed, act_fp8, scale_rows, m
     got = fp8_gemm(x.to(device), q.to(device), s.to(device), bias.to(device), scale_rows=scale_rows, act_fp8=act_fp8)
     want = _ref(x, q, s, scale_rows, act_fp8) + bias.double()
     assert got.shape == (m, n) and got.dtype == torch.float32
-    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-4, msg=lambda e: f"seed={seed}: {e}")
+    # Hopper's FP8 MMAs add their products with a narrower accumulator than fp32's (about 14 bits, per
+    # DeepSeek-V3's report; the kernel promotes to fp32 every 128 inputs): up to 6.2e-3 off on an H100
+    # (these shapes, 2026-11-28). The interpreter's W8A8 and every weight-only GEMM add in fp32.
+    rtol, atol = (1e-3, 1e-2) if act_fp8 and device != "cpu" else (1e-5, 1e-4)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=rtol, atol=atol, msg=lambda e: f"seed={seed}: {e}")
 
 
 def test_bf16_activations(device, seed):
