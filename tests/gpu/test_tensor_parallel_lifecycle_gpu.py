@@ -98,7 +98,8 @@ def assert_back(before: float, ranks: list[psutil.Process], what: str) -> None:
     assert not alive, f"{what}: rank processes still running: {alive}"
     held = held_gib()
     assert held <= before + LEFT_BEHIND / GIB, (
-        f"{what}: this process holds {held - before:.2f} GiB more than before; largest live allocations:\n"
+        f"{what}: this process holds {held - before:.2f} GiB more than before (of which allocated: "
+        f"{torch.cuda.memory_allocated(0) / GIB:.2f} GiB); largest live allocations:\n"
         f"{live_blocks()}")
 
 
