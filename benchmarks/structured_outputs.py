@@ -65,16 +65,26 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, so in (("unconstrained", None), ("json_schema", spec)):
         params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=so is None, structured_outputs=so)
-        rows.append(dict(kind="run", mode=name, shape=a.shape, **run(engine, prompts, params, name)))
+        before = engine.counters()
+        row = dict(kind="run", mode=name, shape=a.shape, **run(engine, prompts, params, name))
+        after = engine.counters()
+        fill_ms = after["grammar_mask_fill_ms_total"] - before["grammar_mask_fill_ms_total"]
+        masked = after["grammar_masked_rows_total"] - before["grammar_masked_rows_total"]
+        steps = row.pop("steps")
+        row.update(steps=steps, step_ms=round(row["seconds"] * 1e3 / max(steps, 1), 2),
+                   mask_fill_ms_per_step=round(fill_ms / max(steps, 1), 2),
+                   mask_fill_us_per_row=round(fill_ms * 1e3 / masked, 1) if masked else 0.0)
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     base, constrained = rows
     ratio = constrained["out_tok_per_s"] / base["out_tok_per_s"] if base["out_tok_per_s"] else 0.0
     print(json.dumps(dict(kind="summary", tok_per_s_ratio=round(ratio, 3), hardware=hardware())), flush=True)
     print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}:")
-    print(f"  {'mode':<14} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8}")
+    print(f"  {'mode':<14} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
+          f"{'mask fill ms/step':>18}")
     for r in rows:
         print(f"  {r['mode']:<14} {r['out_tok_per_s']:>10} {r['ttft_p50_ms']:>12} {r['ttft_p99_ms']:>12} "
-              f"{r['output_tokens']:>8}")
+              f"{r['output_tokens']:>8} {r['step_ms']:>8} {r['mask_fill_ms_per_step']:>18}")
     print(f"  constrained / unconstrained: {ratio:.1%}; schema compile {cold_ms:.1f} ms cold (vocabulary table "
           f"{vocab_ms:.0f} ms, once per process), {cached_ms * 1e3:.1f} us cached")
 
@@ -88,8 +98,10 @@ def run(engine, prompts: list[list[int]], params, tag: str) -> dict:
         engine.add_request(f"{tag}-{i}", p, params)
     first: dict[str, float] = {}
     tokens: dict[str, int] = {}
+    steps = 0
     while engine.has_unfinished():
         outs = engine.step()
+        steps += 1
         t = time.perf_counter()
         for out in outs:
             n = len(out.outputs[0].token_ids)
@@ -99,7 +111,7 @@ def run(engine, prompts: list[list[int]], params, tag: str) -> dict:
     dt = now(dev) - t0
     total = sum(tokens.values())
     ttft = sorted(first.values()) or [0.0]
-    return dict(requests=len(prompts), output_tokens=total, seconds=round(dt, 3),
+    return dict(requests=len(prompts), output_tokens=total, seconds=round(dt, 3), steps=steps,
                 out_tok_per_s=round(total / dt, 1) if dt else 0.0,
                 ttft_p50_ms=round(statistics.median(ttft) * 1e3, 1),
                 ttft_p99_ms=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3, 1))

@@ -290,6 +290,8 @@ class Engine:
                 "spec_draft_tokens_total": spec.drafted_total if spec is not None else 0,
                 "spec_accepted_tokens_total": spec.accepted_total if spec is not None else 0,
                 "prompt_logprob_tokens_total": self.launcher.prompt_tokens_scored,
+                "grammar_mask_fill_ms_total": int(self.launcher.mask_fill_seconds * 1000),
+                "grammar_masked_rows_total": self.launcher.masked_rows,
                 **(self.grammars.counters() if self.grammars is not None else GrammarCompiler.idle_counters())}
 
     def kv_cache_dtypes(self) -> dict[str, str]:

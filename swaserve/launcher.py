@@ -6,6 +6,7 @@ Above both the scheduler (whose batches it launches) and the runner (which it dr
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,8 @@ class StepLauncher:
         # plugged in by whoever turns speculation on: the launcher imports no speculative code.
         self.verify = verify
         self.prompt_tokens_scored = 0  # prompt positions whose logprobs were computed (the LM head's extra rows)
+        self.mask_fill_seconds = 0.0  # host time filling structured outputs' token masks
+        self.masked_rows = 0  # rows sampled under a grammar's mask
 
     def set_observer(self, observer: Any) -> None:
         self.observer = observer
@@ -160,7 +163,10 @@ class StepLauncher:
         # with masks need the logits, so they skip the LM head's own greedy/sampling kernels.
         masks = None
         if any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
+            start = time.perf_counter()
             masks = fill_token_masks([None if r.finished else r.grammar for r in reqs], self.vocab_size)
+            self.mask_fill_seconds += time.perf_counter() - start
+            self.masked_rows += sum(r.grammar is not None and not r.finished for r in reqs)
         if masks is None and is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
             return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
         sb = self._sampling_batch(reqs, params, distinct, rows)

@@ -40,6 +40,10 @@ _ENGINE_GAUGES = (
      "Structured-output constraints compiled (not in the cache)."),
     ("grammar_compile_ms_total", "swaserve_grammar_compile_ms_total", "counter",
      "Milliseconds spent compiling grammars."),
+    ("grammar_mask_fill_ms_total", "swaserve_grammar_mask_fill_ms_total", "counter",
+     "Milliseconds the host spent filling structured outputs' allowed-token masks."),
+    ("grammar_masked_rows_total", "swaserve_grammar_masked_rows_total", "counter",
+     "Rows sampled under a structured-output mask."),
 )
 _POOL_GAUGES = (
     ("used", "swaserve_kv_used_tokens", "KV slots in use, per pool."),
