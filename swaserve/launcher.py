@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swaserve.grammar import fill_token_masks
+from swaserve.grammar import MaskRows, fill_token_masks
 from swaserve.h2d import to_device
 from swaserve.prompt_scores import PromptScores, plan_prompt
 from swaserve.runner.sampler import Sampler, SamplerOutput
@@ -77,6 +77,7 @@ class StepLauncher:
         self.prompt_tokens_scored = 0  # prompt positions whose logprobs were computed (the LM head's extra rows)
         self.mask_fill_seconds = 0.0  # host time filling structured outputs' token masks
         self.masked_rows = 0  # rows sampled under a grammar's mask
+        self._mask_rows: MaskRows | None = None  # the host buffer masks are filled into (made on first use)
 
     def set_observer(self, observer: Any) -> None:
         self.observer = observer
@@ -164,7 +165,10 @@ class StepLauncher:
         masks = None
         if any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
             start = time.perf_counter()
-            masks = fill_token_masks([None if r.finished else r.grammar for r in reqs], self.vocab_size)
+            if self._mask_rows is None:
+                self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
+            masks = fill_token_masks([None if r.finished else r.grammar for r in reqs], self.vocab_size,
+                                     self._mask_rows)
             self.mask_fill_seconds += time.perf_counter() - start
             self.masked_rows += sum(r.grammar is not None and not r.finished for r in reqs)
         if masks is None and is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
@@ -180,6 +184,7 @@ class StepLauncher:
             logits = self.runner.logits(hidden)
             if masks is not None:
                 apply_token_bitmask(logits, to_device(masks, self.device))
+                self._mask_rows.copied()  # type: ignore[union-attr]
             out = self.sampler(logits, sb)
         return out, ([p.logprobs for p in params] if sb.max_num_logprobs is not None else None)
 

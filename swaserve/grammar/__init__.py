@@ -4,6 +4,6 @@ the per-step allowed-token bitmask of a batch's rows (`fill_token_masks`), which
 the logits on the device."""
 
 from swaserve.grammar.compiler import GrammarCompiler, check_constraint
-from swaserve.grammar.matcher import SequenceGrammar, fill_token_masks
+from swaserve.grammar.matcher import MaskRows, SequenceGrammar, fill_token_masks
 
-__all__ = ["GrammarCompiler", "SequenceGrammar", "check_constraint", "fill_token_masks"]
+__all__ = ["GrammarCompiler", "MaskRows", "SequenceGrammar", "check_constraint", "fill_token_masks"]

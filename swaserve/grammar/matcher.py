@@ -39,8 +39,35 @@ class SequenceGrammar:
         return bool(self.matcher.is_terminated())
 
 
-def fill_token_masks(grammars: Sequence[SequenceGrammar | None], vocab_size: int) -> torch.Tensor | None:
-    """`[n, ceil(vocab_size / 32)]` int32 on the host (pinned where CUDA is available): row i has bit t of
+class MaskRows:
+    """The host buffer a step's bitmask rows are filled into, reused from step to step (pinned where CUDA
+    is available): a fresh pinned `[rows, words]` tensor each step cost the host milliseconds of
+    allocation and clearing. `rows(n)` first waits for the copy that read the buffer last (done already
+    in practice: the step that used it has sampled since)."""
+
+    def __init__(self, words: int):
+        self.words = words
+        self.buf: torch.Tensor | None = None
+        self.read: Any = None  # torch.cuda.Event recorded after the last copy from the buffer
+
+    def rows(self, n: int) -> torch.Tensor:
+        if self.read is not None:
+            self.read.synchronize()
+            self.read = None
+        if self.buf is None or self.buf.shape[0] < n:
+            self.buf = torch.empty(max(n, 64), self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        return self.buf[:n]
+
+    def copied(self) -> None:
+        """The rows handed out last are being copied to the device on the current stream."""
+        if torch.cuda.is_available() and self.buf is not None and self.buf.is_pinned():
+            self.read = torch.cuda.Event()
+            self.read.record()
+
+
+def fill_token_masks(grammars: Sequence[SequenceGrammar | None], vocab_size: int,
+                     out: MaskRows | None = None) -> torch.Tensor | None:
+    """`[n, ceil(vocab_size / 32)]` int32 on the host (in `out`'s buffer when given): row i has bit t of
     word t // 32 set where token t is allowed next for grammars[i]. Rows without a grammar (None, or a
     finished one: a sequence that ended while its next step was already launched) allow every token.
     None when no row has a live grammar (the batch samples unconstrained)."""
@@ -53,8 +80,14 @@ def fill_token_masks(grammars: Sequence[SequenceGrammar | None], vocab_size: int
     if _BATCH is None:
         _BATCH = xgr.BatchGrammarMatcher(max_threads="auto")
     words = (vocab_size + 31) // 32
-    masks = torch.full((len(grammars), words), -1, dtype=torch.int32,
-                       pin_memory=torch.cuda.is_available())
+    if out is None:
+        out = MaskRows(words)
+    assert out.words == words, (out.words, words)
+    masks = out.rows(len(grammars))
+    if len(live) < len(grammars):
+        free = sorted(set(range(len(grammars))) - set(live))
+        masks[free] = -1
+    # Writes each live row whole.
     _BATCH.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], masks,  # type: ignore[union-attr]
                                          indices=live)
     return masks
