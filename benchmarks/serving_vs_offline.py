@@ -177,7 +177,7 @@ def print_table(rows: list[dict], offline_tps: float) -> None:
 def launch(args: argparse.Namespace, engine_flags: list[str], trace_prefix: str) -> tuple[subprocess.Popen, str]:
     """`python -m swaserve.server` on a free port with this run's model and engine flags; (process, URL)."""
     cmd = [sys.executable, "-m", "swaserve.server", "--port", "0", "--stream-interval", str(args.stream_interval),
-           "--api-server-count", str(args.api_server_count)]
+           "--api-server-count", str(args.api_server_count), "--data-parallel-size", str(args.data_parallel_size)]
     for flag in ("model", "device", "dtype"):
         if getattr(args, flag):
             cmd += [f"--{flag}", getattr(args, flag)]
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="load-generator processes")
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--api-server-count", type=int, default=1, help="frontend processes of the served runs")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas of the served runs (one engine core each; on CUDA replica i on GPU i)")
     p.add_argument("--modes", default=None,
                    help="of generate,offline,stream,nonstream (default: all; stream with --base-url). "
                         "generate: offline with finished-only outputs (LLM.generate's way, the ratio's "

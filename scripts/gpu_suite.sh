@@ -20,7 +20,8 @@
 # tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py) and fp8_kv (the FP8 KV cache: kernel tests
 # natively, tests/gpu/test_fp8_kv_gpu.py, benchmarks/fp8_kv.py); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
-# table; EP_ARGS adds offline_throughput.py options). Logs in $OUT/<step>.log;
+# table; EP_ARGS adds offline_throughput.py options), dp2 (2 GPUs: the served request set with
+# --data-parallel-size 2 vs one replica, DP_SHAPE default 4b, DP_REQUESTS default 512). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
@@ -94,6 +95,26 @@ for step in "${steps[@]}"; do
             run serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
                 --num-requests 200 --concurrency 128 --window 1024 --max-tokens 256 -- \
                 --max-running-requests 128 --max-context 4096 ;;
+        dp2)  # issue 36: `--data-parallel-size 2` on 2 GPUs against one replica, served (streaming), one table
+            d=$(model_dir "${DP_SHAPE:-4b}")
+            for v in "one|" "two|--data-parallel-size 2"; do
+                # shellcheck disable=SC2086  # the replica flags are words
+                run "dp2_${v%%|*}" 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
+                    --num-requests "${DP_REQUESTS:-512}" --modes stream --output-json "$OUT/dp2_${v%%|*}.jsonl" ${v#*|}
+            done
+            python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+rows = {n: [json.loads(l) for l in (out / f"dp2_{n}.jsonl").read_text().splitlines()] if (out / f"dp2_{n}.jsonl").exists()
+        else [] for n in ("one", "two")}
+tps = {n: r[-1]["output_tok_s"] if r else None for n, r in rows.items()}
+for n, r in rows.items():
+    print(f"{n:4} replica(s): " + (f"{tps[n]:.1f} out tok/s, TTFT p50 {r[-1]['ttft_p50_ms']:.0f} ms, failed {r[-1]['failed']}"
+                                   if r else "failed"))
+if tps["one"] and tps["two"]:
+    print(f"data-parallel 2 / 1: {tps['two'] / tps['one']:.2f}x  ({rows['two'][-1]['hardware']})")
+PY
+            ;;
         served_vs_offline)  # issue 21's request set on a random Gemma-3-1B
             d=$(model_dir 1b)
             run served_vs_offline 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
