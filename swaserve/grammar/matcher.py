@@ -41,9 +41,9 @@ class SequenceGrammar:
 
 class MaskRows:
     """The host buffer a step's bitmask rows are filled into, reused from step to step (pinned where CUDA
-    is available): a fresh pinned `[rows, words]` tensor each step cost the host milliseconds of
-    allocation and clearing. `rows(n)` first waits for the copy that read the buffer last (done already
-    in practice: the step that used it has sampled since)."""
+    is available) instead of a fresh pinned `[rows, words]` tensor allocated and cleared every step (8 MB
+    at 256 rows of a 262k vocabulary). `rows(n)` first waits for the copy that read the buffer last (done
+    already in practice: the step that used it has sampled since)."""
 
     def __init__(self, words: int):
         self.words = words
