@@ -20,10 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from swaserve.server.api_errors import APIError, validation_error
 from swaserve.server.engine_client import EngineClient
 from swaserve.server.generation import Generation
 from swaserve.server.messages import SubRequest
-from swaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from swaserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from swaserve.server.responses import Choices, dumps, stream_chunks
 from swaserve.server.tokenize import add_tokenize_routes
 from swaserve.server.tools import chat_constraints, check_structured

@@ -21,12 +21,12 @@ from swaserve.core.engine_core import CoreSpec
 from swaserve.core.messages import AbortRequests, AddRequest, RequestDelta, StepOutputs
 from swaserve.core.request_trace import RequestTrace
 from swaserve.detokenizer import IncrementalDetokenizer
+from swaserve.server.api_errors import APIError
 from swaserve.server.core_pool import CorePool, replica_specs
 from swaserve.server.generation import Generation
 from swaserve.server.inputs import prompt_ids, sampling_params
 from swaserve.server.messages import SubRequest, Update
 from swaserve.server.metrics import ServerMetrics
-from swaserve.server.protocol import APIError
 from swaserve.server.tools import ToolReply
 
 logger = logging.getLogger(__name__)

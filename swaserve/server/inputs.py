@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from swaserve.request import SamplingParams
+from swaserve.server.api_errors import APIError
 from swaserve.server.messages import SubRequest
-from swaserve.server.protocol import APIError
 
 
 def prompt_ids(tok: Any, chat: Any, sub: SubRequest) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from swaserve.server.protocol import APIError
+from swaserve.server.api_errors import APIError
 
 
 @dataclass(slots=True)

@@ -142,8 +142,8 @@ class ServerMetrics:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_num(total.get(key, 0))}"]
             lines += [f'{name}{{replica="{i}"}} {_num(snap.get(key, 0))}' for i, snap in replicas]
         name = "swaserve_replica_requests_in_flight"
-        lines += [f"# HELP {name} Engine requests (one per choice) sent to the replica and not yet ended; "
-                  "a new request goes to the replica with the fewest.", f"# TYPE {name} gauge"]
+        lines += [(f"# HELP {name} Engine requests (one per choice) sent to the replica and not yet ended; "
+                   "a new request goes to the replica with the fewest."), f"# TYPE {name} gauge"]
         lines += [f'{name}{{replica="{i}"}} {count}' for i, count in enumerate(in_flight)]
         with self._lock:
             finished, aborted, rejected = dict(self._finished), self._aborted, self._rejected

@@ -9,10 +9,10 @@ from typing import Any
 
 import msgspec
 
+from swaserve.server.api_errors import APIError
 from swaserve.server.generation import Generation
 from swaserve.server.messages import Update
 from swaserve.server.prompt_render import echo_logprobs, prompt_logprobs_field
-from swaserve.server.protocol import APIError
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI-compatible servers clamp like this
 

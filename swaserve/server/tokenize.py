@@ -10,7 +10,8 @@ from fastapi import FastAPI, Request
 from pydantic import model_validator
 from starlette.responses import JSONResponse, Response
 
-from swaserve.server.protocol import APIError, ChatMessage, _Strict
+from swaserve.server.api_errors import APIError
+from swaserve.server.protocol import ChatMessage, _Strict
 
 
 class TokenizeRequest(_Strict):

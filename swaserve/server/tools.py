@@ -12,7 +12,7 @@ from typing import Any
 
 from swaserve.chat.tool_parsers import TaggedToolCalls, ToolCall, block_format
 from swaserve.grammar import check_constraint
-from swaserve.server.protocol import APIError
+from swaserve.server.api_errors import APIError
 
 TOOL_CHOICES = ("none", "auto", "required")
 

@@ -19,7 +19,7 @@ from swaserve.chat.tool_parsers import (
     tool_family,
 )
 from swaserve.chat.tool_prompt import fallback_messages, template_messages, template_takes_tools
-from swaserve.server.protocol import APIError
+from swaserve.server.api_errors import APIError
 from swaserve.server.tools import ToolReply, _ArrayScanner, response_format_constraint, tool_plan
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
