@@ -171,8 +171,11 @@ class StepLauncher:
                                      self._mask_rows)
             self.mask_fill_seconds += time.perf_counter() - start
             self.masked_rows += sum(r.grammar is not None and not r.finished for r in reqs)
-        if masks is None and is_plain_greedy(distinct):  # the common case: no logits, no per-row host work
+        greedy = is_plain_greedy(distinct)
+        if masks is None and greedy:  # the common case: no logits, no per-row host work
             return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
+        if greedy:  # constrained, plain greedy: the masked logits' argmax (what the Sampler would take)
+            return SamplerOutput(self._masked_logits(hidden, masks).argmax(dim=-1), None, None, None), None
         sb = self._sampling_batch(reqs, params, distinct, rows)
         # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
         # goes through the Sampler, so a row's path does not depend on its neighbours' settings;
@@ -181,12 +184,15 @@ class StepLauncher:
                 and self.lead is None):
             out = SamplerOutput(self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds), None, None, None)
         else:
-            logits = self.runner.logits(hidden)
-            if masks is not None:
-                apply_token_bitmask(logits, to_device(masks, self.device))
-                self._mask_rows.copied()  # type: ignore[union-attr]
-            out = self.sampler(logits, sb)
+            out = self.sampler(self.runner.logits(hidden) if masks is None else self._masked_logits(hidden, masks), sb)
         return out, ([p.logprobs for p in params] if sb.max_num_logprobs is not None else None)
+
+    def _masked_logits(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """The rows' logits with every token their grammar disallows at -inf."""
+        logits = self.runner.logits(hidden)
+        apply_token_bitmask(logits, to_device(masks, self.device))
+        self._mask_rows.copied()  # type: ignore[union-attr]
+        return logits
 
     def _sampling_batch(self, reqs: list[Req], params: list, distinct: list, rows: torch.Tensor) -> SamplingBatch:
         penalties = any(p.uses_penalties for p in distinct)
