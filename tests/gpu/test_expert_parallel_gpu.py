@@ -16,10 +16,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from common import gemma4_hf_config  # noqa: E402
+from test_expert_parallel import greedy_top5  # noqa: E402
 
 from swaserve.engine import Engine  # noqa: E402
-from swaserve.request import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 PROMPT_LENS = (1100, 23, 9, 300, 40, 3)  # the first crosses the 1024-token window, in prefill chunks
@@ -31,17 +32,7 @@ OPTIONS = {"max_prefill_tokens": 256, "max_running_requests": 8, "max_context": 
 def run(path: str, prompts: list[list[int]], **parallel) -> tuple[dict, list]:
     """Each request's (tokens, top-5 logprobs per token) and rank 0's expert modules' held counts."""
     with Engine(path, device="cuda", dtype="float32", **OPTIONS, **parallel) as engine:
-        params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        out = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished:
-                    out[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))
-            engine.check_integrity()  # every rank's tables included
-        stats = engine.memory_stats()
-        assert stats["full_tokens_used"] == 0 and stats["swa_tokens_used"] == 0
+        out = greedy_top5(engine, prompts, STEPS)
         held = [m.gate_up_proj.shape[0] for m in engine.runner.model.modules() if hasattr(m, "expert_split")]
         return out, held
 

@@ -20,19 +20,27 @@ STEPS = 10
 OPTIONS = {"max_prefill_tokens": 16, "max_running_requests": 4, "max_context": 128, "kv_cache_bytes": 4 << 20}
 
 
+def greedy_top5(engine: Engine, prompts: list[list[int]], steps: int) -> dict[str, tuple[list[int], list[dict]]]:
+    """Each request's (greedy tokens, top-5 logprobs per token), every rank's tables checked after every
+    step; both pools empty at the end. (tests/gpu/test_expert_parallel_gpu.py drives its engines so too.)"""
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=5)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))
+        engine.check_integrity()  # every rank's tables included
+    stats = engine.memory_stats()
+    assert stats["full_tokens_used"] == 0 and stats["swa_tokens_used"] == 0
+    return out
+
+
 def run(path: str, prompts: list[list[int]], **parallel) -> tuple[dict[str, tuple[list[int], list[dict]]], list]:
     """Each request's (tokens, top-5 logprobs per token), and rank 0's expert modules."""
     with Engine(path, device="cpu", dtype="float32", **OPTIONS, **parallel) as engine:
-        params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        out = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished:
-                    out[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))
-            engine.check_integrity()  # every rank's tables included
-        assert engine.memory_stats()["full_tokens_used"] == 0
+        out = greedy_top5(engine, prompts, STEPS)
         experts = [m for m in engine.runner.model.modules() if hasattr(m, "expert_split")]
         return out, experts
 
