@@ -90,7 +90,8 @@ def test_fp8_kv_logits_and_greedy_agreement_with_graphs():
 
 
 def _probe_tokens(kv: str, batched: bool) -> dict[str, list[int]]:
-    engine = Engine(model_dir("270m"), load_format="dummy", device="cuda", dtype=torch.bfloat16, kv_cache_bytes=KV_BYTES // 2, kv_cache_dtype=kv,
+    engine = Engine(model_dir("270m"), load_format="dummy", device="cuda", dtype=torch.bfloat16, kv_cache_dtype=kv,
+                    kv_cache_bytes=KV_BYTES if kv == "auto" else KV_BYTES // 2,  # the same tokens either way
                     enable_deterministic_inference=True, max_running_requests=32)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
     probes = _prompts(6, seed=1)

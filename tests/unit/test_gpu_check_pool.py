@@ -28,7 +28,7 @@ def test_light_jobs_pass_a_heavy_job_waiting_for_its_slot(monkeypatch):
     jobs += [gc.Job(step, [], f"light{i}", 10 - i, False) for i in range(6)]
     lock, running, started, peak = threading.Lock(), [], {}, {"all": 0, "heavy": 0}
 
-    def fake_run(job, gpus, deadline):
+    def fake_run(job, gpus, deadline, nice=0):
         with lock:
             started[job.key] = time.monotonic()
             running.append(job)
