@@ -85,6 +85,21 @@ def mimo_hf_config(max_positions: int = 32768, num_layers: int = 6, num_experts:
     return cfg
 
 
+def mimo_full_hf_config(max_positions: int = 32768):
+    """MiMo-V2-Flash as released (309B): transformers' MiMoV2FlashConfig defaults (48 layers, the first
+    dense, 256 experts), 3 MTP layers declared, block-FP8 weights (e4m3, 128 x 128 scales, dynamic
+    activations, every attention o_proj kept bf16 as the release does), and Gemma's vocabulary so the
+    carried Gemma tokenizer can serve it (random weights: `--load-format dummy` draws them in FP8)."""
+    from transformers import MiMoV2FlashConfig
+
+    cfg = MiMoV2FlashConfig(vocab_size=262144, max_position_embeddings=max_positions, sliding_window=129,
+                            num_nextn_predict_layers=3)
+    cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                               "weight_block_size": [128, 128], "ignored_layers": ["model.layers.*.self_attn.o_proj"]}
+    cfg.architectures = ["MiMoV2FlashForCausalLM"]
+    return cfg
+
+
 # openai/gpt-oss-20b and -120b as published: 2880 hidden, 64 query heads x 64 and 8 K/V heads with biases and
 # sinks, sliding (128) and full layers alternating, YaRN (factor 32 over 4096, theta 150k), top-4 experts of
 # intermediate 2880 with the SwiGLU clamp at 7, vocab 201088; MXFP4 experts, everything else bf16.
@@ -123,7 +138,8 @@ def gpt_oss_hf_config(shape: str, num_layers: int | None = None, mxfp4: bool = T
 
 
 def hf_config(shape: str, max_positions: int = 32768):
-    """`1b`, `4b`, ... (Gemma 3), `gemma4-26b-a4b`, `mimo-6l` (MiMo-V2-Flash, 6 layers, 32 experts),
+    """`1b`, `4b`, ... (Gemma 3), `gemma4-26b-a4b`, `mimo-6l` (MiMo-V2-Flash, 6 layers, 32 experts, bf16),
+    `mimo-v2-flash` (as released: 48 layers, 256 experts, FP8),
     `gpt-oss-20b` / `gpt-oss-120b` (MXFP4 experts) or `gpt-oss-20b-bf16` (bf16 experts); `tiny`,
     `gemma4-tiny` and `gpt-oss-tiny` for --smoke."""
     if shape.startswith("gpt-oss-"):
@@ -135,6 +151,8 @@ def hf_config(shape: str, max_positions: int = 32768):
         return gemma4_hf_config(shape.removeprefix("gemma4-"), max_positions)
     if shape == "mimo-6l":
         return mimo_hf_config(max_positions)
+    if shape == "mimo-v2-flash":
+        return mimo_full_hf_config(max_positions)
     return gemma3_hf_config(shape, max_positions)
 
 

@@ -8,10 +8,16 @@ step() returns, by the step finished).
     python benchmarks/offline_throughput.py [--shape 1b] [--runs 2]
     python benchmarks/offline_throughput.py --shape gemma4-26b-a4b --max-running-requests 128 --tp 2 \
         [--enable-expert-parallel]                       # ranks load `--load-format dummy` from a config dir
+    python benchmarks/offline_throughput.py --shape mimo-v2-flash --tp 4 --num-requests 0 \
+        --decode-table 1,16,64 --table-context 1024     # decode steps at fixed batches, no throughput run
     python benchmarks/offline_throughput.py --smoke     # tiny CPU run (CI)
 
 Under `--tp N` the roofline counts rank 0's bytes (its weights, its K/V heads) against one device's
-bandwidth: the ranks read theirs at the same time.
+bandwidth: the ranks read theirs at the same time. `--decode-table` adds, in the same engine, the decode
+step at each fixed batch size (that many requests of `--table-context` prompt tokens, `--output-len`
+tokens each, EOS ignored): mean time of the pure decode steps, and the fraction of its roofline (the
+weights a step of that batch reads, MoE layers only the experts its tokens route to in expectation,
+plus the K/V at the mean context).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    bench_device, bench_dtype, copy_bandwidth, hardware, model_dir, new_compiles, now, param_bytes, parse_args,
-    random_model,
+    bench_device, bench_dtype, copy_bandwidth, decode_step_bytes, hardware, model_dir, new_compiles, now,
+    param_bytes, parse_args, random_model,
 )
 
 # Step kinds that decode running requests: each reads every weight once for them.
@@ -51,9 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     ap.add_argument("--enable-expert-parallel", action="store_true",
                     help="with --tp: each rank holds whole experts (1/N of them) instead of 1/N of every expert")
+    ap.add_argument("--decode-table", default="", help="batch sizes, e.g. 1,16,64: the decode step at each")
+    ap.add_argument("--table-context", type=int, default=1024, help="prompt tokens of each --decode-table request")
     a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=6, min_input=8, max_input=48, output_len=6,
                                         runs=2, overlap="on",
-                                        max_prefill_tokens=64))
+                                        max_prefill_tokens=64, decode_table="1,3", table_context=20))
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
 
@@ -67,8 +75,10 @@ def main(argv: list[str] | None = None) -> None:
                     "enable_expert_parallel": a.enable_expert_parallel}
     else:
         source, parallel = random_model(a.shape, dev, dtype), {}
-    engine = Engine(source, device=dev, dtype=dtype, max_running_requests=a.max_running_requests or a.num_requests,
-                    max_context=a.max_input + a.output_len + 8, max_prefill_tokens=a.max_prefill_tokens,
+    table = [int(b) for b in a.decode_table.split(",") if b]
+    running = max([a.max_running_requests or a.num_requests, *table])
+    engine = Engine(source, device=dev, dtype=dtype, max_running_requests=running,
+                    max_context=max(a.max_input, a.table_context) + a.output_len + 8, max_prefill_tokens=a.max_prefill_tokens,
                     overlap_schedule=overlap, **parallel)
     rng = random.Random(a.seed)
     lens = [rng.randint(a.min_input, a.max_input) for _ in range(a.num_requests)]
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.add_request("warm", warm, SamplingParams(temperature=0, max_tokens=4))
     while engine.has_unfinished():
         engine.step()
-    for run in range(a.runs):
+    for run in range(a.runs if a.num_requests else 0):
         r = one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W)
         layout = {"tp": a.tp, "expert_parallel": a.enable_expert_parallel,
                   "max_running_requests": a.max_running_requests or a.num_requests}
@@ -92,7 +102,49 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['seconds']:.1f} s (prefill steps {r['prefill_s']} s, mixed steps {r['mixed_s']} s, "
               f"decode steps {r['decode_s']} s); Triton compiles during the run: "
               f"{r['compiles_during_run'] or 'none'}", flush=True)
+    if table:
+        print_decode_table(engine, a, table, dev, dtype, bw)
     engine.close()
+
+
+def print_decode_table(engine, a, batch_sizes: list[int], dev, dtype, bw: float) -> None:
+    """The decode step at each fixed batch: mean wall time of the pure decode steps (every request
+    decoding, none prefilling) and its fraction of the roofline (rank 0's bytes)."""
+    from types import SimpleNamespace
+
+    from swaserve.request import SamplingParams
+
+    loaded = SimpleNamespace(model=engine.runner.model, config=engine.model_config)
+    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    vocab, rng, tp = engine.model_config.vocab_size, random.Random(a.seed + 1), max(a.tp, 1)
+    rows = []
+    for bs in batch_sizes:
+        for i in range(bs):
+            engine.add_request(f"table-{bs}-{i}", [rng.randint(10, min(200000, vocab - 1))
+                                                   for _ in range(a.table_context)], params)
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step(finished_only=True)
+            if engine.last_step is not None and engine.last_step[0] == "decode":
+                times.append(time.perf_counter() - t)
+        times = times[2:] or times  # the first decode steps after the prefill wait for it (overlap)
+        if not times:
+            raise SystemExit(f"decode table: no pure decode step at batch {bs} (raise --output-len)")
+        step_s = sum(times) / len(times)
+        ctx = a.table_context + a.output_len // 2
+        # Rank 0's share: its weights as held, its K/V heads (the heads split evenly over the ranks).
+        weights = decode_step_bytes(loaded, bs, 0, dtype)
+        kv = decode_step_bytes(loaded, bs, ctx, dtype) - weights
+        roof_s = (weights + kv // tp) / bw
+        rows.append((bs, step_s * 1e3, bs / step_s, roof_s / step_s))
+        print(json.dumps({"decode_table": True, "shape": a.shape, "tp": a.tp, "bs": bs, "ctx": ctx,
+                          "step_ms": round(step_s * 1e3, 3), "roofline_frac": round(roof_s / step_s, 3),
+                          "steps": len(times), "hardware": hardware()}), flush=True)
+    print(f"\ndecode steps, {a.shape} tp={a.tp}, prompts of {a.table_context} tokens, {a.output_len} out ({dev}):")
+    print(f"{'bs':>4} {'step ms':>9} {'tok/s':>9} {'of roofline':>12}")
+    for bs, ms, tok_s, frac in rows:
+        print(f"{bs:>4} {ms:>9.2f} {tok_s:>9.1f} {frac * 100:>11.1f}%")
 
 
 def one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W) -> dict:

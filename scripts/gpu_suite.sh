@@ -18,7 +18,8 @@
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 34: svo_url (the
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
 # tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py) and fp8_kv (the FP8 KV cache: kernel tests
-# natively, tests/gpu/test_fp8_kv_gpu.py, benchmarks/fp8_kv.py); for issue 36: ep_g4 (2 GPUs: offline output
+# natively, tests/gpu/test_fp8_kv_gpu.py, benchmarks/fp8_kv.py) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
+# its released shape in FP8, TP=4: decode table and offline run, then 200 @ 128 served); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
 # table; EP_ARGS adds offline_throughput.py options), dp2 (2 GPUs: the served request set with
 # --data-parallel-size 2 vs one replica, DP_SHAPE default 4b, DP_REQUESTS default 512). Logs in $OUT/<step>.log;
@@ -188,6 +189,16 @@ PY
                 --num-requests 200 --concurrency 128 --window 129 --max-tokens 256 -- --max-running-requests 128 \
                 --max-context 4096 --enable-piecewise-cuda-graph
             echo "   server log warnings: $(grep -ciE 'warn' "$OUT/mimo_serve.log")" ;;
+        mimo_full)  # issue 37: MiMo-V2-Flash as released (309B, FP8, 48 layers, 256 experts), TP=4 on 4x H200:
+            # decode steps at bs 1/16/64 (and 256 requests at 128 running), then 200 @ 128 through `swaserve serve`
+            d=$(model_dir mimo-v2-flash)
+            run mimo_full_decode "${MIMO_DECODE_S:-280}" python3 benchmarks/offline_throughput.py --shape mimo-v2-flash \
+                --tp "${MIMO_TP:-4}" --num-requests "${MIMO_REQUESTS:-256}" --max-running-requests 128 --output-len 256 \
+                --decode-table 1,16,64 --table-context 1024 ${MIMO_ARGS:-}
+            run mimo_full_serve "${MIMO_SERVE_S:-300}" python3 benchmarks/serve_stress.py --launch --model "$d" \
+                --load-format dummy --num-requests 200 --concurrency 128 --window 129 --max-tokens 256 -- \
+                --tp "${MIMO_TP:-4}" --max-running-requests 128 --max-context 4096 ${MIMO_ARGS:-}
+            echo "   server log warnings: $(grep -ciE 'warn' "$OUT/mimo_full_serve.log")" ;;
         mtp_mimo)  # issue 22: MiMo MTP (random weights: the mechanism's cost) vs plain at batch 1/8/32
             run mtp_mimo 420 python3 benchmarks/speculative.py --shape mimo-6l --methods plain,mtp \
                 --batch-sizes 1,8,32 --max-tokens 128 --workloads ordinary ;;

@@ -74,12 +74,21 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
 
 def _draw_fp8(owner: nn.Module, pname: str, name: str, p: nn.Parameter, draw,
               whole_shapes: dict[str, tuple[int, ...]] | None) -> None:
-    """An FP8 weight and its scales: each HF tensor drawn dense and whole, then loaded as an unquantised
-    checkpoint tensor is online (this rank's part, quantised to 128 x 128 blocks). Stacked experts go
+    """An FP8 weight and its scales: each HF tensor drawn dense and whole, then loaded as an FP8
+    checkpoint's (merged projections: quantised whole, this rank's rows and scales taken) or as an
+    unquantised tensor is online (this rank's part quantised to 128 x 128 blocks). Stacked experts go
     one expert and projection at a time, so no dense copy of a whole layer's experts is ever made."""
     if isinstance(owner, MergedLinear):
         for i, (_, hf_rows) in enumerate(owner.shards):
-            owner.load_shard(i, pname, draw((hf_rows, owner.in_features), f"{name}#{i}"), quantize=True)
+            dense = draw((hf_rows, owner.in_features), f"{name}#{i}")
+            if owner.fp8 is not None and owner.fp8.online:  # --quantization fp8: each rank quantises its rows
+                owner.load_shard(i, pname, dense, quantize=True)
+                continue
+            # As a checkpoint stores it (the whole tensor in 128 x 128 blocks), then this rank's rows: the
+            # same weights where a rank's rows cut a block (their scales then go per row).
+            q, scale = fp8.quantize(dense)
+            owner.load_shard(i, pname, q)
+            owner.load_shard(i, f"{pname}_scale_inv", scale)
     elif isinstance(owner, StackedExperts):
         hidden, full = owner.down_proj.shape[1], owner.hf_intermediate
         split = owner.expert_split  # global ids: each expert is drawn the same whichever rank holds it

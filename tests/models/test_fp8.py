@@ -106,6 +106,46 @@ def test_dummy_load_draws_fp8(tmp_path, make_config):
     assert all(len(t) == 4 for t in tokens)
 
 
+def test_dummy_fp8_weights_are_the_same_whatever_the_rank_count():
+    """MiMo-V2-Flash's full layers at TP=4: a rank's K rows (1 head of 192) cut a 128-row block, so the
+    rank keeps a scale per row; the dummy draw still holds TP=1's weights (quantised whole, then cut)."""
+    from transformers import MiMoV2FlashConfig
+
+    from swaserve.distributed.state import TPGroup, set_tp_group
+    from swaserve.loader.dummy import init_dummy_weights, whole_parameter_shapes
+    from swaserve.models.registry import get_model_class
+
+    hf = MiMoV2FlashConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, intermediate_size=512,
+                           vocab_size=512,
+                           sliding_window=129, layer_types=["full_attention", "sliding_attention"],
+                           mlp_layer_types=["dense", "sparse"])
+    hf.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                              "ignored_layers": ["model.layers.*.self_attn.o_proj"]}
+    cls = get_model_class("MiMoV2FlashForCausalLM", "mimo_v2_flash")
+    whole = whole_parameter_shapes(ModelConfig.from_hf(hf))
+
+    def qkv(rank: int, size: int):
+        set_tp_group(TPGroup(rank, size))
+        try:
+            model = cls(hf)
+            init_dummy_weights(model, whole_shapes=whole if size > 1 else None)
+        finally:
+            set_tp_group(TPGroup())
+        m = model.model.layers[0].self_attn.qkv_proj
+        return m, fp8.dequantize(m.weight, m.weight_scale_inv, torch.float32, m.fp8.scale_rows)
+
+    one, ref = qkv(0, 1)
+    qo, ko, _ = one.out_sizes
+    for rank in range(4):
+        m, w = qkv(rank, 4)
+        q, k, v = m.out_sizes
+        assert m.fp8.scale_rows == 1 and k == 192
+        want = torch.cat([ref[rank * q : (rank + 1) * q], ref[qo + rank * k : qo + (rank + 1) * k],
+                          ref[qo + ko + rank * v : qo + ko + (rank + 1) * v]])
+        assert torch.equal(w, want), f"rank {rank}"
+
+
 def test_dtypes_survive_a_bf16_model_and_bytes_are_real():
     cfg = mimo_v2_flash()
     cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
