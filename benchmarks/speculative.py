@@ -6,6 +6,9 @@ request per step (1 + accepted drafts), the share of drafts accepted, and mean s
     # GPU, random weights in the Gemma 3 1B / 4B shapes: n-gram and a self-draft (the target drafting for
     # itself: every draft is accepted, so this is the mechanism's upper bound on acceptance and its cost)
     PYTHONPATH=. python benchmarks/speculative.py --shape 1b --methods plain,ngram,draft --batch-sizes 1,8,32
+    # MiMo-V2-Flash's MTP layer in real shapes, block-FP8 target and layer (random weights quantised at load),
+    # over two GPUs (rank 0 drafts with the whole layer)
+    PYTHONPATH=. python benchmarks/speculative.py --shape mimo-6l --methods plain,mtp --quantization fp8 --tp 2
     PYTHONPATH=. python benchmarks/speculative.py --smoke     # tiny random model on the CPU (CI)
 """
 
@@ -78,19 +81,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-tokens", type=int, default=4, help="speculative_num_tokens (K)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each; rank 0 drafts alone)")
+    ap.add_argument("--max-context", type=int, default=None, help="max prompt + output tokens (default: the model's)")
+    ap.add_argument("--quantization", choices=("fp8",), default=None,
+                    help="fp8: quantise the weights at load (128 x 128 blocks: the target and MiMo-V2-Flash's MTP "
+                    "layer, not a draft model)")
     args = parse_args(ap, argv, smoke=dict(shape="tiny", device="cpu", methods="plain,ngram,draft",
                                            batch_sizes="2", max_tokens=8, num_tokens=2))
     import torch
 
     from swaserve.engine import Engine
 
-    model, opts = args.model, {"max_running_requests": 64}
+    model, opts = args.model, {"max_running_requests": 64, "tensor_parallel_size": args.tp,
+                               "max_context": args.max_context, "quantization": args.quantization}
     if args.shape:
         model, opts["load_format"] = model_dir(args.shape), "dummy"
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     hw = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
     print(f"# {hw}, torch {torch.__version__}, model {args.shape or args.model or 'embedded'}, K={args.num_tokens}, "
-          f"{args.max_tokens} greedy tokens per request", flush=True)
+          f"{args.max_tokens} greedy tokens per request, tp={args.tp}, weights {args.quantization or 'as stored'}",
+          flush=True)
     spec = {"plain": {}, "ngram": {"speculative_method": "ngram"},
             "draft": {"speculative_method": "draft", "speculative_draft_model": model},
             "mtp": {"speculative_method": "mtp"}}
@@ -104,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
                 run(engine, prompts_for(kind, bs, engine.tokenizer, vocab, random.Random(bs)), args.max_tokens)
                 row = run(engine, prompts_for(kind, bs, engine.tokenizer, vocab, random.Random(bs)), args.max_tokens)
                 results[(method, kind, bs)] = row
-                print(json.dumps({"method": method, "workload": kind, "bs": bs, **row}), flush=True)
+                print(json.dumps({"method": method, "workload": kind, "bs": bs, "tp": args.tp, **row}), flush=True)
+        engine.close()  # the other tensor-parallel ranks exit before the next method's start
         del engine
         gc.collect()
         empty_cache(torch.device(dev))

@@ -41,7 +41,9 @@ class MiMoMTPDrafter(StateHeadDrafter):
                                  "(num_nextn_predict_layers)")
         else:
             weights = mtp_weights(Path(getattr(thf, "_name_or_path", "") or "."))
-        hf = head_config(thf)
+        # An FP8 checkpoint's MTP projections are FP8 as stored (dummy weights: as its config says).
+        stored = None if weights is None else {m.group(2): t.dtype for n, t in weights if (m := MTP_LAYER.match(n))}
+        hf = head_config(thf, stored)
         with torch.device("meta"):
             head = MiMoMTPHead(hf)
         head = head.to(dtype=dtype).to_empty(device=device).eval()

@@ -11,7 +11,7 @@ import multiprocessing
 
 import pytest
 import torch
-from families import make_hf_model
+from families import FP8_FAMILIES, make_hf_model
 from scheduled import greedy_tokens
 from test_eagle3_tiny import eagle3_run
 from test_mimo_mtp_tiny import mtp_run
@@ -55,6 +55,22 @@ def test_tp2_eagle3_drafts_match_reference_and_are_lossless(tmp_path):
 @pytest.mark.slow
 def test_tp2_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path):
     agree, total = mtp_run(tmp_path, "cpu", tp=2)
+    assert agree == total, f"{agree}/{total} proposals equal the reference"
+
+
+@pytest.mark.slow
+def test_tp2_fp8_mimo_mtp_drafts_match_reference_and_are_lossless(tmp_path, monkeypatch):
+    # Two ranks cut the dense first-layer MLP (256 wide here) on 128-input FP8 blocks; the experts, whose
+    # 24-wide FP8 blocks cannot be cut, are split whole (expert parallelism). Rank 0's MTP head is whole.
+    make_config, cls = FP8_FAMILIES["mimo_v2_flash_fp8"]
+
+    def wider():
+        config = make_config()
+        config.intermediate_size = 256
+        return config
+
+    monkeypatch.setitem(FP8_FAMILIES, "mimo_v2_flash_fp8", (wider, cls))
+    agree, total = mtp_run(tmp_path, "cpu", tp=2, family="mimo_v2_flash_fp8", enable_expert_parallel=True)
     assert agree == total, f"{agree}/{total} proposals equal the reference"
 
 
