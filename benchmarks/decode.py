@@ -90,6 +90,9 @@ def sweep(engine, loaded, bss: list[int], ctxs: list[int], steps: int, warm: int
         for bs in bss:
             need = ctx + steps + warm + 2
             if bs * ctx > max_tokens_in_flight or engine.plan.max_concurrent_requests(need) < bs:
+                what = ", ".join(f"{k} {v}" for k, v in label.items())
+                print(f"# skipped: {what}, bs {bs} x ctx {ctx} (over --max-tokens-in-flight, or the pools hold "
+                      f"{engine.plan.max_concurrent_requests(need)} such requests)", flush=True)
                 continue
             rows.append({**label, **bench_point(engine, loaded, bs, ctx, steps, warm, bw, seed=bs * 7 + ctx)})
             print(json.dumps(rows[-1]), flush=True)
