@@ -167,19 +167,27 @@ def gemma3_hf_config(shape: str, max_positions: int = 32768):
 
 
 @torch.no_grad()
-def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0, max_positions: int = 32768):
-    """A LoadedModel of `shape` (see `hf_config`) with random weights (no tokenizer: prompts are token ids)."""
+def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0, max_positions: int = 32768,
+                 quantization: str | None = None):
+    """A LoadedModel of `shape` (see `hf_config`) with random weights (no tokenizer: prompts are token ids).
+    `quantization="fp8"`: online FP8 as `--quantization fp8 --load-format dummy` builds it, holding the
+    same random weights as the unquantised model quantised."""
     from swaserve.config import ModelConfig
+    from swaserve.layers.fp8 import with_online_fp8
     from swaserve.loader import LoadedModel
     from swaserve.loader.dummy import init_dummy_weights
     from swaserve.models.registry import build_model
 
     hf = hf_config(shape, max_positions)
+    if quantization == "fp8":
+        with_online_fp8(hf)
+    elif quantization is not None:
+        raise ValueError(f"quantization: None or 'fp8', got {quantization!r}")
     config = ModelConfig.from_hf(hf)
     model = build_model(config, dtype, device)
     init_dummy_weights(model, seed)
     name = shape if shape.startswith(("gemma4-", "gpt-oss-", "mimo-")) else f"gemma3-{shape}"
-    return LoadedModel(config, model, None, f"random-{name}")
+    return LoadedModel(config, model, None, f"random-{name}" + (f"-{quantization}" if quantization else ""))
 
 
 def active_param_bytes(loaded, bs: int) -> int:

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import empty_cache, parse_args, random_model  # noqa: E402
+from probes import drain  # noqa: E402
 
 
 def load(model: str, device: torch.device, dtype: torch.dtype):
@@ -50,16 +51,6 @@ def make_engine(loaded, device, dtype, deterministic: bool, args):
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def drain(engine, reqs: list[tuple[str, list[int], object]]) -> dict[str, list[int]]:
-    for rid, prompt, params in reqs:
-        engine.add_request(rid, prompt, params)
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step(finished_only=True):
-            out[o.request_id] = list(o.outputs[0].token_ids)
-    return out
 
 
 def decode_step_ms(engine, vocab: int, bs: int, ctx: int, steps: int, rng: random.Random,

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from pathlib import Path
@@ -30,13 +29,13 @@ from common import (  # noqa: E402
     bench_device,
     bench_dtype,
     copy_bandwidth,
-    empty_cache,
     hardware,
     hf_config,
     parse_args,
     random_model,
 )
-from decode import bench_point  # noqa: E402
+from decode import bench_point, engine_options  # noqa: E402
+from probes import compare, random_prompts, release, run_probes  # noqa: E402
 
 CACHES = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8_e4m3"},
           "fp8 (SWA pool bf16)": {"kv_cache_dtype": "fp8_e4m3", "swa_kv_cache_dtype": "auto"}}
@@ -65,15 +64,10 @@ def decode_times(shape: str, bs: int, ctx: int, steps: int, warm: int, dev, dtyp
     loaded = random_model(shape, dev, dtype, max_positions=ctx + 2 * (steps + warm) + 64)
     rows = []
     for name, opts in CACHES.items():
-        engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=bs,
-                        max_context=ctx + 2 * (steps + warm) + 64, max_prefill_tokens=16384,
-                        schedule_policy="prefill_first", **opts)
+        engine = Engine(loaded, device=dev, dtype=dtype, **engine_options([bs], [ctx], steps, warm), **opts)
         r = bench_point(engine, loaded, bs, ctx, steps, warm, bw, seed=bs * 7 + ctx)
         rows.append(dict(cache=name, **r))
-        engine.close()
-        del engine
-        gc.collect()
-        empty_cache(dev)
+        release(engine, dev)
     return rows
 
 
@@ -81,32 +75,14 @@ def agreement(model, probes: int, max_tokens: int, lengths: tuple[int, int], voc
     """Greedy tokens of each cache against bf16's on `probes` prompts of `lengths` tokens (`model`: None
     for the embedded Gemma 3 270M, or a LoadedModel)."""
     from swaserve.engine import Engine
-    from swaserve.request import SamplingParams
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, vocab, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(probes)]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = random_prompts(probes, lengths, vocab)
     out = {}
-    for name, opts in list(CACHES.items()):
+    for name, opts in CACHES.items():
         engine = Engine(model, device=dev, dtype=dtype, **opts)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        toks = {}
-        while engine.has_unfinished():
-            toks.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
-        out[name] = [toks[str(i)] for i in range(probes)]
-        engine.close()
-        empty_cache(dev)
-    res = {}
-    for name in list(CACHES)[1:]:
-        ref, got = out["bf16"], out[name]
-        first = [next((j for j, (a, b) in enumerate(zip(r, t)) if a != b), len(r)) for r, t in zip(ref, got)]
-        res[name] = dict(identical=sum(r == t for r, t in zip(ref, got)), probes=probes,
-                         token_agreement=round(sum(a == b for r, t in zip(ref, got) for a, b in zip(r, t))
-                                               / sum(len(r) for r in ref), 4),
-                         median_first_difference=sorted(first)[len(first) // 2])
-    return res
+        out[name] = run_probes(engine, prompts, max_tokens)
+        release(engine, dev)
+    return {name: compare(out["bf16"], out[name]) for name in list(CACHES)[1:]}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,14 +33,17 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
     (biases, sinks) ~ N(0, 0.05); MXFP4 experts (uint8 `*_blocks` / `*_scales`, as the checkpoint stores
     them) random codes with scales that give weights of RMS ~0.02; block-FP8 weights (e4m3 + float32
     `*_scale_inv`) the N(0, std) draw quantised to 128 x 128 blocks as a checkpoint's would be (scales
-    ~amax/448 of each block), experts one at a time. Activations then stay O(1) through any depth, and
-    greedy outputs vary with the input, so the model behaves like a real one for memory and speed.
+    ~amax/448 of each block). Activations then stay O(1) through any depth, and greedy outputs vary
+    with the input, so the model behaves like a real one for memory and speed.
 
-    Every tensor (each block of a merged projection apart) is drawn from a generator seeded by `seed`
-    and its name. `whole_shapes` (tensor parallelism: `whole_parameter_shapes`): each parameter's shape
-    at one rank; the whole tensor is drawn, then this rank keeps its part (`tp_slice_stored`, else
-    `tp_slice`, of the parameter's module), as it would of a checkpoint's tensor."""
+    Every tensor (each block of a merged projection, each expert's projection apart) is drawn from a
+    generator seeded by `seed` and its name, in the dtype the model's unquantised weights take, so a
+    model built with `--quantization fp8` holds exactly this model's bf16 weights quantised (what
+    benchmarks comparing the two rely on). `whole_shapes` (tensor parallelism: `whole_parameter_shapes`):
+    each parameter's shape at one rank; the whole tensor is drawn, then this rank keeps its part
+    (`tp_slice_stored`, else `tp_slice`, of the parameter's module), as it would of a checkpoint's tensor."""
     norm_weights = {id(m.weight): m.unit_offset for m in model.modules() if isinstance(m, RMSNorm) and m.weight is not None}
+    dense = _unquantised_dtype(model)
     for name, p in model.named_parameters():
         owner_name, _, pname = name.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -49,18 +52,13 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
         def draw(shape: tuple[int, ...], key: str, name: str = name, p: nn.Parameter = p,
                  norm: bool | None = norm) -> torch.Tensor:
             g = torch.Generator(device=p.device).manual_seed((seed << 32) + zlib.crc32(key.encode()))
-            dtype = torch.float32 if p.dtype == fp8.FP8 else p.dtype  # FP8: quantised by its owner
+            dtype = dense if p.dtype == fp8.FP8 else p.dtype  # FP8: quantised by its owner
             return _draw(torch.empty(shape, dtype=dtype, device=p.device), name, norm, std, g)
 
         if pname.endswith("_scale_inv"):
             continue  # filled when its weight is quantised
-        if p.dtype == fp8.FP8:
-            _draw_fp8(owner, pname, name, p, draw, whole_shapes)
-            continue
-
-        if isinstance(owner, MergedLinear):  # one tensor per HF projection, as a checkpoint has them
-            for i, (_, hf_rows) in enumerate(owner.shards):
-                owner.load_shard(i, pname, draw((hf_rows, *p.shape[1:]), f"{name}#{i}"))
+        if isinstance(owner, (MergedLinear, StackedExperts)) or p.dtype == fp8.FP8:
+            _draw_parts(owner, pname, name, p, draw, whole_shapes)
             continue
         whole = draw(tuple(whole_shapes[name]) if whole_shapes is not None else tuple(p.shape), name)
         if whole_shapes is not None:
@@ -72,17 +70,30 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
         p.copy_(whole)
 
 
-def _draw_fp8(owner: nn.Module, pname: str, name: str, p: nn.Parameter, draw,
-              whole_shapes: dict[str, tuple[int, ...]] | None) -> None:
-    """An FP8 weight and its scales: each HF tensor drawn dense and whole, then loaded as an FP8
-    checkpoint's (merged projections: quantised whole, this rank's rows and scales taken) or as an
-    unquantised tensor is online (this rank's part quantised to 128 x 128 blocks). Stacked experts go
-    one expert and projection at a time, so no dense copy of a whole layer's experts is ever made."""
-    if isinstance(owner, MergedLinear):
+def _unquantised_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model was built in, which its unquantised weights take: that of most of its
+    non-FP8 floating-point parameters (float32 routers and FP8 scales are few)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != fp8.FP8:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=sizes.__getitem__) if sizes else torch.float32
+
+
+def _draw_parts(owner: nn.Module, pname: str, name: str, p: nn.Parameter, draw,
+                whole_shapes: dict[str, tuple[int, ...]] | None) -> None:
+    """A parameter loaded part by part as a checkpoint's tensors are: each HF tensor drawn dense and
+    whole, then this rank's part taken; an FP8 weight's loaded as an FP8 checkpoint's (merged projections:
+    quantised whole, this rank's rows and scales taken) or as an unquantised tensor is online (this rank's
+    part quantised to 128 x 128 blocks). Stacked experts go one expert and projection at a time, whatever
+    their dtype, so no dense copy of a whole layer's experts is ever made and bf16 and FP8 models draw
+    the same experts."""
+    quantize = p.dtype == fp8.FP8
+    if isinstance(owner, MergedLinear):  # one tensor per HF projection
         for i, (_, hf_rows) in enumerate(owner.shards):
-            dense = draw((hf_rows, owner.in_features), f"{name}#{i}")
-            if owner.fp8 is not None and owner.fp8.online:  # --quantization fp8: each rank quantises its rows
-                owner.load_shard(i, pname, dense, quantize=True)
+            dense = draw((hf_rows, *p.shape[1:]), f"{name}#{i}")
+            if not quantize or owner.fp8.online:  # unquantised, or --quantization fp8: each rank quantises its rows
+                owner.load_shard(i, pname, dense, quantize=quantize)
                 continue
             # As a checkpoint stores it (the whole tensor in 128 x 128 blocks), then this rank's rows: the
             # same weights where a rank's rows cut a block (their scales then go per row).
@@ -95,9 +106,9 @@ def _draw_fp8(owner: nn.Module, pname: str, name: str, p: nn.Parameter, draw,
         for e in range(split.start, split.start + split.count):
             if pname == "gate_up_proj":
                 for proj in ("gate_proj", "up_proj"):
-                    owner.load_expert(e, proj, draw((full, hidden), f"{name}#{e}#{proj}"), quantize=True)
+                    owner.load_expert(e, proj, draw((full, hidden), f"{name}#{e}#{proj}"), quantize=quantize)
             else:
-                owner.load_expert(e, "down_proj", draw((hidden, full), f"{name}#{e}"), quantize=True)
+                owner.load_expert(e, "down_proj", draw((hidden, full), f"{name}#{e}"), quantize=quantize)
     else:  # an output projection: the whole HF weight, this rank's input columns quantised
         shape = tuple(whole_shapes[name]) if whole_shapes is not None else tuple(p.shape)
         if not owner.load_param(pname, draw(shape, name), quantize=True):

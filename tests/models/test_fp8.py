@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from families import gemma3_wide, hf_greedy, make_hf_model, mimo_v2_flash
+from families import gemma3_wide, gemma4_moe, hf_greedy, make_hf_model, mimo_v2_flash
 from harness import Harness
 
 from swaserve.config import ModelConfig
@@ -20,6 +20,7 @@ from swaserve.layers.batch_invariant import make_batch_invariant
 from swaserve.layers.linear import MergedLinear, OutLinear
 from swaserve.layers.moe import StackedExperts
 from swaserve.loader import load_model
+from swaserve.loader.dummy import init_dummy_weights
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.loader.safetensors import iter_safetensors
 from swaserve.models.registry import build_model
@@ -144,6 +145,41 @@ def test_dummy_fp8_weights_are_the_same_whatever_the_rank_count():
         want = torch.cat([ref[rank * q : (rank + 1) * q], ref[qo + rank * k : qo + (rank + 1) * k],
                           ref[qo + ko + rank * v : qo + ko + (rank + 1) * v]])
         assert torch.equal(w, want), f"rank {rank}"
+
+
+@pytest.mark.parametrize("make_config", [gemma3_wide, gemma4_moe], ids=["gemma3", "gemma4-moe"])
+def test_online_fp8_dummy_weights_are_the_bf16_dummy_weights_quantised(make_config):
+    """Dummy weights are drawn whatever the weights' dtype as a bf16 checkpoint holds them (experts one
+    by one): the model built with online FP8 holds the bf16 model's weights quantised, code for code, so
+    benchmarks/fp8_weights.py compares the same model in two formats."""
+
+    def build(quantized: bool) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+        cfg = make_config()
+        if quantized:
+            fp8.with_online_fp8(cfg)
+        model = build_model(ModelConfig.from_hf(cfg), torch.bfloat16, CPU)
+        init_dummy_weights(model)
+        return dict(model.named_parameters()), model
+
+    dense, _ = build(False)
+    params, model = build(True)
+    checked = 0
+    for n, p in params.items():
+        if n.endswith("_scale_inv"):
+            continue
+        if p.dtype != fp8.FP8:
+            assert torch.equal(p, dense[n]), n
+            continue
+        owner = model.get_submodule(n.rpartition(".")[0])
+        stacked = isinstance(owner, StackedExperts)
+        scale = params[n + "_scale_inv"] if stacked else params[n.rpartition(".")[0] + ".weight_scale_inv"]
+        rows = fp8.BLOCK if n.endswith("experts.down_proj") else owner.fp8.scale_rows
+        s = scale.repeat_interleave(rows, dim=-2).narrow(-2, 0, p.shape[-2])
+        s = s.repeat_interleave(fp8.BLOCK, dim=-1).narrow(-1, 0, p.shape[-1])
+        codes = (dense[n].float() / s).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+        assert torch.equal(codes.view(torch.uint8), p.view(torch.uint8)), n
+        checked += 1
+    assert checked >= 8
 
 
 def test_dtypes_survive_a_bf16_model_and_bytes_are_real():
