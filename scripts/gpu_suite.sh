@@ -17,13 +17,15 @@
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 34: svo_url (the
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
-# tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py) and fp8_kv (the FP8 KV cache: kernel tests
+# tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py), fp8_g4 (Gemma-4-26B-A4B --quantization fp8 vs
+# bf16: probes and decode table, benchmarks/fp8_weights.py) and fp8_kv (the FP8 KV cache: kernel tests
 # natively, tests/gpu/test_fp8_kv_gpu.py, benchmarks/fp8_kv.py) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
 # its released shape in FP8, TP=4: decode table and offline run, then 200 @ 128 served); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
 # table; EP_ARGS adds offline_throughput.py options), dp2 (2 GPUs: the served request set with
 # --data-parallel-size 2 vs one replica, DP_SHAPE default 4b, DP_REQUESTS default 512). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
+# `--parallel STEP...` runs single-GPU steps at once, one per visible GPU (e.g. fp8 fp8_kv fp8_g4 on a 4-GPU host).
 # The serve step needs a Gemma tokenizer in .gpu_assets/gemma_tok (carried: the machine has no network):
 #   python -c "from swaserve.loader.default_model import default_model_path as p; from swaserve.tokenizer \
 #   import Tokenizer; Tokenizer.from_gguf(p()).hf.save_pretrained('.gpu_assets/gemma_tok')"
@@ -34,6 +36,32 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source scripts/carried_wheels.sh  # the packages the GPU machine lacks
 steps=("$@")
+if [ "${steps[0]:-}" = --parallel ]; then
+    # --parallel STEP...: each step in its own process on its own GPU (round-robin over the visible ones:
+    # more steps than GPUs share them), at once; single-GPU steps only. Each step's logs end up in one file,
+    # $OUT/<step>.log (the device machine returns few files), then each step's summary is printed.
+    steps=("${steps[@]:1}")
+    mapfile -t gpus < <(python3 -c "import torch; [print(i) for i in range(torch.cuda.device_count())]")
+    [ ${#gpus[@]} -gt 0 ] || { echo "no CUDA GPU visible"; exit 1; }
+    pids=()
+    for i in "${!steps[@]}"; do
+        g=${gpus[$((i % ${#gpus[@]}))]} work=/tmp/gpu_suite_parallel/${steps[$i]}
+        mkdir -p "$work"
+        echo "== ${steps[$i]} on GPU $g"
+        CUDA_VISIBLE_DEVICES=$g OUT="$work" bash "$0" "${steps[$i]}" > "$work/stdout" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    for st in "${steps[@]}"; do
+        work=/tmp/gpu_suite_parallel/$st
+        for f in "$work"/*.log "$work/stdout"; do
+            [ -f "$f" ] && { echo "##### $(basename "$f")"; cat "$f"; }
+        done > "$OUT/$st.log"
+        echo; echo "== $st"
+        sed -n '/^== summary/,$p' "$work/stdout"
+    done
+    exit 0
+fi
 [ ${#steps[@]} -gt 0 ] || steps=(kernels parity decode)
 NAMES=() RESULTS=()
 
@@ -84,6 +112,10 @@ for step in "${steps[@]}"; do
                 tests/kernels/test_fp8_gemm.py
             run fp8_gpu 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py
             run fp8_bench 420 python3 benchmarks/fp8_gemm.py ;;
+        fp8_g4)  # issue 37: Gemma-4-26B-A4B with --quantization fp8 vs bf16 (the same random weights quantised):
+            # 64 greedy probes (identical, first token, logit error; a bf16 each-alone control) and the decode table
+            run fp8_g4 "${FP8_G4_S:-540}" python3 benchmarks/fp8_weights.py --shape gemma4-26b-a4b --batch-sizes 1,16,64 \
+                --contexts "${FP8_G4_CTX:-1024,8192}" --steps 32 --warmup 4 --probes 64 --max-tokens 32 ;;
         fp8_kv)  # issue 37 part 3: the FP8 KV kernel tests natively, the FP8-vs-bf16 KV GPU test (graphs on), then KV
             # tokens at 32k (12B shape, 40 GiB), decode at bs 64 x 8k (4B shape) and 64-probe greedy agreement (270M)
             SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_kv_kernels 200 python3 -m pytest -q -p no:cacheprovider \
