@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/deterministic.py --model DIR [--batch-sizes 1,64,256] [--ctx 1024]
     PYTHONPATH=. python benchmarks/deterministic.py --model DIR --probes [--num-probes 64 --others 100]
+    PYTHONPATH=. python benchmarks/deterministic.py --model gemma4-26b-a4b --tp 2 [--probes]   # 2 GPUs
     PYTHONPATH=. python benchmarks/deterministic.py --smoke [--probes --control]     # tiny CPU run (CI)
 
 DIR is an HF directory (config.json is enough: weights are random, --load-format dummy) or a shape
@@ -24,17 +25,24 @@ import random
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import empty_cache, parse_args, random_model  # noqa: E402
+from common import empty_cache, model_dir, parse_args, random_model  # noqa: E402
 from probes import drain  # noqa: E402
 
 
-def load(model: str, device: torch.device, dtype: torch.dtype):
-    from swaserve.loader import load_model
+def load(model: str, device: torch.device, dtype: torch.dtype, tp: int = 1):
+    """The model every engine of the run serves: loaded once (random weights), or under tensor
+    parallelism a config directory each engine's ranks draw the same weights from (`.config` either way)."""
+    from swaserve.config import ModelConfig
+    from swaserve.loader import load_hf_config, load_model
 
+    if tp > 1:
+        path = model if Path(model).is_dir() else model_dir(model)
+        return SimpleNamespace(path=path, config=ModelConfig.from_hf(load_hf_config(path)))
     if Path(model).is_dir():
         return load_model(model, device, dtype, load_format="dummy")
     return random_model(model, device, dtype)
@@ -43,9 +51,12 @@ def load(model: str, device: torch.device, dtype: torch.dtype):
 def make_engine(loaded, device, dtype, deterministic: bool, args):
     from swaserve.engine import Engine
 
-    return Engine(loaded, device=device, dtype=dtype, enable_deterministic_inference=deterministic,
+    source = getattr(loaded, "path", loaded)
+    parallel = {"load_format": "dummy", "tensor_parallel_size": args.tp} if args.tp > 1 else {}
+    return Engine(source, device=device, dtype=dtype, enable_deterministic_inference=deterministic,
                   max_running_requests=args.max_running, max_prefill_tokens=args.chunk,
-                  max_context=args.max_context, **({"kv_cache_bytes": args.kv_mb << 20} if args.kv_mb else {}))
+                  max_context=args.max_context, **parallel,
+                  **({"kv_cache_bytes": args.kv_mb << 20} if args.kv_mb else {}))
 
 
 def sync(device: torch.device) -> None:
@@ -160,6 +171,7 @@ def run_cost(args, loaded, device, dtype) -> None:
                       f"{profile_offline(engine, vocab, n, rng, args.max_context)}")
         print(json.dumps(point), flush=True)
         rows.append(point)
+        engine.close()
         del engine
         gc.collect()
         empty_cache(device)
@@ -206,6 +218,7 @@ def run_probes(args, loaded, device, dtype) -> None:
             row = {"deterministic": det, "sampling": kind, "identical": same, "probes": len(probes)}
             print(json.dumps(row), flush=True)
             table.append(row)
+        engine.close()
         del engine
         gc.collect()
     print(f"\n{'mode':<6} {'sampling':<8} identical alone vs under load")
@@ -238,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--kv-mb", type=int, default=0, help="KV budget in MiB (0: the engine's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each; deterministic mode "
+                    "sums their partials in rank order)")
     args = parse_args(ap, argv, smoke=dict(model="tiny", device="cpu", dtype="float32", batch_sizes="1,3",
                                            ctx=24, steps=2, requests=4, num_probes=3, others=4,
                                            others_max_tokens=10, probe_tokens=4, probe_max_len=48, max_running=8,
@@ -249,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {name}, torch {torch.__version__}, {args.model}, {dtype}")
-    loaded = load(args.model, device, dtype)
+    print(f"# {name}, torch {torch.__version__}, {args.model}, {dtype}, tp={args.tp}")
+    loaded = load(args.model, device, dtype, args.tp)
     (run_probes if args.probes else run_cost)(args, loaded, device, dtype)
 
 

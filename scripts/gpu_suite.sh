@@ -10,7 +10,8 @@
 # (benchmarks/unified_attention_sweep.py; UA_ARGS adds options, e.g. "--batch-sizes 64,256"), det_probes_{1b,4b,g4} (64
 # probes alone vs among 100 others, mode on and off), det_cost_1b / det_cost_4b (decode step and offline
 # throughput off vs on, top kernels; DET_ARGS adds options, e.g. "--profile-bs 1,256"), det_cost_g4 (the same for
-# the Gemma 4 MoE shape, no profile; DET_ARGS replaces its batch sizes) and det_serve / det_serve_4b (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
+# the Gemma 4 MoE shape, no profile; DET_ARGS replaces its batch sizes), det_tp2 / det_tp4 (2 / 4 GPUs: probes and
+# cost under tensor parallelism, Gemma-4-26B-A4B) and det_serve / det_serve_4b (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
@@ -185,6 +186,13 @@ PY
         det_cost_g4)  # the Gemma 4 MoE shape: batches its KV budget holds beside 52 GB of weights
             run det_cost_g4 400 python3 benchmarks/deterministic.py --model gemma4-26b-a4b \
                 ${DET_ARGS:---batch-sizes 1,32,64 --requests 256} ;;
+        det_tp2|det_tp4)  # issue 36: deterministic mode under TP (rank-order all-reduce) on Gemma-4-26B-A4B: 64 probes
+            # alone vs among 100 others (greedy and seeded), then its cost (decode bs 1/32/64, 256 requests offline)
+            tp=${step#det_tp}
+            run "${step}_probes" "${DET_TP_PROBES_S:-270}" python3 benchmarks/deterministic.py --model gemma4-26b-a4b \
+                --tp "$tp" --probes ${DET_TP_ARGS:-}
+            run "${step}_cost" "${DET_TP_COST_S:-300}" python3 benchmarks/deterministic.py --model gemma4-26b-a4b \
+                --tp "$tp" --batch-sizes 1,32,64 --requests 256 ${DET_TP_ARGS:-} ;;
         det_serve|det_serve_4b)
             shape=1b window=512
             [ "$step" = det_serve_4b ] && shape=4b window=1024
