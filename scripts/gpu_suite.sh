@@ -23,7 +23,8 @@
 # natively, tests/gpu/test_fp8_kv_gpu.py, benchmarks/fp8_kv.py) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
 # its released shape in FP8, TP=4: decode table and offline run, then 200 @ 128 served); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
-# table; EP_ARGS adds offline_throughput.py options), dp2 (2 GPUs: the served request set with
+# table; EP_ARGS adds offline_throughput.py options), scaling (the same table over SCALE_LAYOUTS, default
+# "tp1 tp2 tp4", of SCALE_SHAPE, default gemma4-26b-a4b: issue 36's scaling tables), dp2 (2 GPUs: the served request set with
 # --data-parallel-size 2 vs one replica, DP_SHAPE default 4b, DP_REQUESTS default 512). Logs in $OUT/<step>.log;
 # every step runs under a time limit even if an earlier one failed; a summary table at the end.
 # `--parallel STEP...` runs single-GPU steps at once, one per visible GPU (e.g. fp8 fp8_kv fp8_g4 on a 4-GPU host).
@@ -286,27 +287,36 @@ print(model_dir('$shape', tokenizer='words'))")
                 --num-requests 200 --concurrency 128 --window 128 --max-tokens 256 -- --max-running-requests 128 \
                 --max-context 4096 --enable-piecewise-cuda-graph
             echo "   server log warnings: $(grep -ciE 'warn' "$OUT/$step.log")" ;;
-        ep_g4)  # issue 36: experts split over 2 GPUs vs their widths vs one GPU, the same 256 requests at 128 running
-            for v in "tp1|--tp 1" "tp2|--tp 2" "tp2_ep|--tp 2 --enable-expert-parallel"; do
+        ep_g4|scaling)  # issue 36: offline output tok/s, 256 requests at 128 running, per layout, one table with the
+            # ratio to the first layout. ep_g4: Gemma-4-26B-A4B TP=1 vs TP=2 vs TP=2 with experts split (2 GPUs);
+            # scaling: SCALE_SHAPE (default gemma4-26b-a4b; 12b for the dense table) over SCALE_LAYOUTS (default
+            # "tp1 tp2 tp4"; a layout ending in _ep splits the experts). EP_ARGS adds offline_throughput.py options.
+            layouts=${SCALE_LAYOUTS:-tp1 tp2 tp4} shape=${SCALE_SHAPE:-gemma4-26b-a4b}
+            [ "$step" = ep_g4 ] && layouts="tp1 tp2 tp2_ep" shape=gemma4-26b-a4b
+            names=()
+            for v in $layouts; do
+                tp=${v#tp} ep=
+                [ "${tp%_ep}" != "$tp" ] && tp=${tp%_ep} ep=--enable-expert-parallel
                 # shellcheck disable=SC2086  # the layout's flags are words
-                run "ep_g4_${v%%|*}" 480 python3 benchmarks/offline_throughput.py --shape gemma4-26b-a4b \
-                    --num-requests 256 --max-running-requests 128 ${v#*|} ${EP_ARGS:-}
+                run "${step}_$v" "${SCALE_S:-300}" python3 benchmarks/offline_throughput.py --shape "$shape" \
+                    --num-requests 256 --max-running-requests 128 --tp "$tp" $ep ${EP_ARGS:-}
+                names+=("${step}_$v")
             done
-            python3 - "$OUT" <<'PY'
+            python3 - "$OUT" "${names[@]}" <<'PY'
 import json, pathlib, sys
 rows = []
-for name in ("tp1", "tp2", "tp2_ep"):
-    log = pathlib.Path(sys.argv[1]) / f"ep_g4_{name}.log"
+for name in sys.argv[2:]:
+    log = pathlib.Path(sys.argv[1]) / f"{name}.log"
     runs = [json.loads(l) for l in log.read_text().splitlines() if l.startswith('{"run"')] if log.exists() else []
     rows.append((name, runs[-1] if runs else None))
-base = rows[0][1]["out_tok_per_s"] if rows[0][1] else None
-print(f"\n{'layout':8} {'out tok/s':>10} {'vs TP=1':>8} {'seconds':>8} {'decode s':>9} {'retract':>8}  device")
+base = rows[0][1]["out_tok_per_s"] if rows and rows[0][1] else None
+print(f"\n{'layout':16} {'out tok/s':>10} {'vs first':>8} {'seconds':>8} {'decode s':>9} {'retract':>8}  device")
 for name, r in rows:
     if r is None:
-        print(f"{name:8} {'failed':>10}")
+        print(f"{name:16} {'failed':>10}")
         continue
     ratio = f"{r['out_tok_per_s'] / base:.2f}x" if base else "-"
-    print(f"{name:8} {r['out_tok_per_s']:>10.1f} {ratio:>8} {r['seconds']:>8.1f} {r['decode_s']:>9.1f} "
+    print(f"{name:16} {r['out_tok_per_s']:>10.1f} {ratio:>8} {r['seconds']:>8.1f} {r['decode_s']:>9.1f} "
           f"{r['retractions']:>8}  {r['hardware']}")
 PY
             ;;
