@@ -1,7 +1,8 @@
 """EngineClient: the frontend's side of the engine core(s). Tokenizes (chat templates included), sends
 requests to a core process (one of `--data-parallel-size` replicas, `CorePool`), reads their per-step
 outputs on the event loop, detokenizes incrementally (stop strings end a request here), and hands
-`Update`s to per-request asyncio queues.
+`Update`s to per-request asyncio queues (`server/track.py`: a request in flight, and what one step
+adds to its update).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -28,6 +28,7 @@ from swaserve.server.inputs import prompt_ids, sampling_params
 from swaserve.server.messages import SubRequest, Update
 from swaserve.server.metrics import ServerMetrics
 from swaserve.server.tools import ToolReply
+from swaserve.server.track import TokenNames, Track
 
 logger = logging.getLogger(__name__)
 LIVENESS_POLL_MS = 200  # with no output for this long, check that a core is still alive
@@ -37,33 +38,11 @@ _CORE_DEAD = APIError(500, "the engine core process died; the server is restarti
 _ENGINE_ERROR = APIError(500, "internal engine error", code="engine_error")
 
 
-@dataclass(slots=True)
-class _Track:
-    """One sub-request in flight: where its updates go, its detokenizer, and what was sent."""
-
-    sub: SubRequest
-    queue: asyncio.Queue[list[Update]]
-    arrival: float
-    prompt_tokens: int
-    detok: IncrementalDetokenizer | ParsedReply | ToolReply  # ParsedReply: a chat reply of a model with a
-    # reasoning format; ToolReply: a chat reply with tools (around either)
-    replica: int  # the engine core that runs it
-    prompt_ids: list[int] | None = None  # kept for the first update (echo, prompt logprobs)
-    accepted: bool = False
-    tokens: int = 0  # token ids handed out (posted or pending)
-    chars: int = 0  # characters of detok.text handed out
-    reasoning_chars: int = 0  # characters of detok.reasoning handed out (ParsedReply)
-    calls: int = 0  # entries of detok.calls handed out (ToolReply)
-    last_token: float = 0.0
-    posted: bool = False  # an update with tokens or text was posted
-    pending: Update | None = None  # held back until stream_interval tokens (or the end)
-
-
 class EngineClient:
     """Frontend handle on the engine-core processes (`data_parallel_size` replicas of `spec`).
 
     Invariants: only the event loop touches this object after `start()`; every open sub-request has
-    a `_Track` naming its replica, and leaves it exactly once (finished, stopped by a stop string,
+    a `Track` naming its replica, and leaves it exactly once (finished, stopped by a stop string,
     aborted, refused or failed; `_untrack`, which also ends its count in the pool), and its core is
     told to abort every one that leaves it unfinished. When any core dies, every open request gets a
     500 at once, `alive` turns False (/health: 503), and `on_fatal` runs (the server exits).
@@ -93,9 +72,9 @@ class EngineClient:
         self.max_context = 0
         self.core_died = False
         self._stopping = False
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, Track] = {}
         self._posts: dict[int, tuple[asyncio.Queue[list[Update]], list[Update]]] = {}
-        self._token_text: dict[int, str] = {}
+        self._names = TokenNames(tokenizer)
         self._readers: list[asyncio.Task] = []
         self.requests = RequestTrace(f"frontend{frontend}")  # first-token times (off unless its env is set)
 
@@ -188,7 +167,7 @@ class EngineClient:
             if sub.tool_plan is not None:  # reasoning (a ParsedReply's) first, calls from the content
                 detok = ToolReply(detok, sub.tool_plan, getattr(self.chat, "tool_family", "hermes"))
             keep = sub.echo or params.prompt_logprobs is not None
-            self._tracks[sub.request_id] = _Track(sub, gen.queue, arrival, len(ids), detok, replica,
+            self._tracks[sub.request_id] = Track(sub, gen.queue, arrival, len(ids), detok, replica,
                                                   ids if keep else None)
             cores.add(replica, AddRequest(sub.request_id, ids, sampling, self.frontend))
             self.requests.arrived(sub.request_id, arrival, time.monotonic())
@@ -200,7 +179,7 @@ class EngineClient:
             self.metrics.count_aborted()
             self._tell_abort(track.replica, [request_id])
 
-    def _untrack(self, request_id: str) -> _Track | None:
+    def _untrack(self, request_id: str) -> Track | None:
         track = self._tracks.pop(request_id, None)
         self.requests.forget(request_id)
         if track is not None and self.cores is not None:
@@ -262,56 +241,18 @@ class EngineClient:
                 self._on_delta(track, delta, now)
         self._flush()
 
-    def _on_delta(self, track: _Track, delta: RequestDelta, now: float) -> None:
-        ids, finish, detok = delta.token_ids, delta.finish_reason, track.detok
-        if track.sub.echo_only:  # max_tokens 0: the one token the engine ran for is not part of the answer
-            ids, finish = [], ("length" if finish is not None else None)
-        # A core-side "stop" ends on a stop token (EOS or stop_token_ids): in token_ids, but no text.
-        text_ids = ids[:-1] if finish == "stop" and ids else ids
-        taken = len(ids)
-        for k, tid in enumerate(text_ids):
-            detok.step([tid])
-            if detok.stopped:  # a stop string: this token is the last one reported
-                taken, finish = k + 1, "stop"
-                self._tell_abort(track.replica, [delta.request_id])
-                break
-        if finish is not None and not detok.stopped:
-            detok.flush()
-        new_ids = ids[:taken] if taken < len(ids) else ids
+    def _on_delta(self, track: Track, delta: RequestDelta, now: float) -> None:
+        first = track.tokens == 0
+        upd, new_ids, finish, stopped_here = track.absorb(delta, self._names)
+        if stopped_here:  # a stop string (seen here, not by the core) ended it
+            self._tell_abort(track.replica, [delta.request_id])
         if new_ids:
-            if track.tokens == 0:
+            if first:
                 self.metrics.ttft.observe(now - track.arrival)
                 self.requests.first_token(delta.request_id, now)
             else:
                 self.metrics.itl.observe((now - track.last_token) / len(new_ids), len(new_ids))
             track.last_token = now
-        upd = track.pending or Update(track.sub.index)
-        if delta.cached_tokens is not None:
-            upd.cached_tokens, upd.seed = delta.cached_tokens, delta.seed
-        if delta.spec is not None:
-            upd.spec = delta.spec
-        upd.text += detok.text[track.chars :]
-        track.chars = len(detok.text)
-        if not isinstance(detok, IncrementalDetokenizer) and len(detok.reasoning) > track.reasoning_chars:
-            if track.sub.include_reasoning:
-                upd.reasoning += detok.reasoning[track.reasoning_chars :]
-            track.reasoning_chars = len(detok.reasoning)
-        if isinstance(detok, ToolReply):
-            if len(detok.calls) > track.calls:
-                upd.tool_calls = (upd.tool_calls or []) + detok.calls[track.calls :]
-                track.calls = len(detok.calls)
-            if finish == "stop" and detok.num_calls:
-                finish = "tool_calls"
-        upd.token_ids += new_ids
-        if delta.prompt_logprobs is not None or track.prompt_ids is not None:
-            self._prompt_extras(track, upd, delta)
-        if delta.logprobs is not None and not track.sub.echo_only:
-            lps = delta.logprobs[: len(new_ids)]
-            upd.logprobs = (upd.logprobs or []) + lps
-            if track.sub.token_strings:
-                upd.token_strs = {**(upd.token_strs or {}), **self._token_strings(lps)}
-        track.tokens += len(new_ids)
-        track.pending = None
         if finish is not None:
             upd.finish_reason = finish
             self._untrack(delta.request_id)
@@ -325,30 +266,6 @@ class EngineClient:
         track.posted = True
         self._post(track, upd)
 
-    def _prompt_extras(self, track: _Track, upd: Update, delta: RequestDelta) -> None:
-        """The first update's prompt logprobs (with their token strings) and, for echo, the prompt itself."""
-        if delta.prompt_logprobs is not None:
-            upd.prompt_logprobs, upd.prompt_ranks = delta.prompt_logprobs
-            if track.sub.token_strings:
-                upd.token_strs = {**(upd.token_strs or {}), **self._token_strings(upd.prompt_logprobs)}
-        if track.prompt_ids is not None:  # once
-            ids, track.prompt_ids = track.prompt_ids, None
-            upd.prompt_ids, prompt = ids, track.sub.prompt
-            if track.sub.echo:
-                upd.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-            if track.sub.token_strings:
-                upd.token_strs = {**(upd.token_strs or {}), **self._token_strings([dict.fromkeys(ids, 0.0)])}
-
-    def _token_strings(self, logprobs: list[dict[int, float]]) -> dict[int, str]:
-        cache, decode = self._token_text, self.tokenizer.decode
-        out: dict[int, str] = {}
-        for entry in logprobs:
-            for tid in entry:
-                if tid not in cache:
-                    cache[tid] = decode([tid])
-                out[tid] = cache[tid]
-        return out
-
     def _fail_all(self, error: APIError) -> None:
         """End every open sub-request with `error` (shutdown, or a dead core: no core is told)."""
         for track in list(self._tracks.values()):
@@ -356,7 +273,7 @@ class EngineClient:
             self._post(track, Update(track.sub.index, error=error))
         self._flush()
 
-    def _post(self, track: _Track, update: Update) -> None:
+    def _post(self, track: Track, update: Update) -> None:
         self._posts.setdefault(id(track.queue), (track.queue, []))[1].append(update)
 
     def _flush(self) -> None:
