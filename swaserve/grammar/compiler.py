@@ -4,6 +4,7 @@ vocabulary, kept in an LRU; `check_constraint` parses one without the vocabulary
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -11,6 +12,8 @@ from collections import OrderedDict
 from typing import Any
 
 from swaserve.structured_outputs import StructuredOutputs
+
+logger = logging.getLogger(__name__)
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the user needs only the reason.
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -109,6 +112,15 @@ class GrammarCompiler:
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             self.vocab_seconds = time.perf_counter() - t0
         return self._compiler
+
+    def warm(self) -> None:
+        """Build the vocabulary table now (any thread); a compile meanwhile waits for it. A failure is
+        logged: the first compile raises it again where a request sees it."""
+        try:
+            with self._lock:
+                self._xgr_compiler()
+        except Exception:
+            logger.warning("building the structured-outputs vocabulary table failed", exc_info=True)
 
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled grammar of `spec` (an xgrammar `CompiledGrammar`), from the cache when it is

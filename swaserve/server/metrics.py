@@ -40,6 +40,8 @@ _ENGINE_GAUGES = (
      "Structured-output constraints compiled (not in the cache)."),
     ("grammar_compile_ms_total", "swaserve_grammar_compile_ms_total", "counter",
      "Milliseconds spent compiling grammars."),
+    ("grammar_vocab_build_ms", "swaserve_grammar_vocab_build_ms", "gauge",
+     "Milliseconds the structured-outputs vocabulary table took to build (0 until built; once per core)."),
     ("grammar_mask_fill_ms_total", "swaserve_grammar_mask_fill_ms_total", "counter",
      "Milliseconds the host spent filling structured outputs' allowed-token masks."),
     ("grammar_masked_rows_total", "swaserve_grammar_masked_rows_total", "counter",
