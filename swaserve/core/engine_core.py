@@ -262,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
             outbox.close(linger=2000)
         return 1
     name = getattr(engine, "model_name", None) or "swaserve"
+    if hasattr(engine, "warm_grammars"):
+        engine.warm_grammars()  # the structured-outputs vocabulary table, before any request can wait on it
     freeze_startup_objects()  # the model, graphs, tokenizer tables: alive until exit
     tell_all(Ready(name, int(engine.model_config.max_context), os.getpid()))
     if hasattr(engine, "startup_line"):
         print(f"swaserve: engine: {engine.startup_line()}", flush=True)  # stdout is stderr here (above)
-    if hasattr(engine, "warm_grammars"):
-        engine.warm_grammars()  # the structured-outputs vocabulary table, off the step loop
     try:
         EngineCore(engine, inbox, outboxes, args.parent_pid).run()
     finally:

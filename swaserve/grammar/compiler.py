@@ -114,8 +114,8 @@ class GrammarCompiler:
         return self._compiler
 
     def warm(self) -> None:
-        """Build the vocabulary table now (any thread); a compile meanwhile waits for it. A failure is
-        logged: the first compile raises it again where a request sees it."""
+        """Build the vocabulary table now. A failure is logged: the first compile raises it again where a
+        request sees it."""
         try:
             with self._lock:
                 self._xgr_compiler()

@@ -4,7 +4,7 @@ fallback tool prompt): `beta.chat.completions.parse` with a pydantic model (with
 prompt_logprobs beside the constraint), named and required tool calls whose arguments validate against
 their schemas (whole and streamed as deltas), json_object, regex and choice on completions (echo with
 logprobs, logit_bias inside the constraint), n > 1, tool turns in the conversation, and an invalid schema
-answered 400 while another stream goes on; the vocabulary table built in the background before any constraint.
+answered 400 while another stream goes on; the vocabulary table built at start, before any constraint.
 One server for the module; few, short requests."""
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def chat(server: LiveServer, content: str, **kw):
 
 
 def test_vocabulary_table_is_built_before_the_first_constraint(server: LiveServer) -> None:
-    """The engine core builds xgrammar's vocabulary table in the background once it is ready, so the first
-    constrained request does not hold every stream's steps for it (first in this file: nothing constrained
-    has run yet). Counters reach /metrics with each step: plain requests drive the steps."""
+    """The engine core builds xgrammar's vocabulary table before it reports ready, so the first constrained
+    request does not hold every stream's steps for it (first in this file: nothing constrained has run
+    yet). Counters reach /metrics with each step: a plain request drives one."""
     deadline, metrics = time.monotonic() + 120, {}
     while time.monotonic() < deadline:
         server.client(timeout=60).completions.create(model=server.model, prompt="Hi", max_tokens=1)
@@ -75,7 +75,7 @@ def test_vocabulary_table_is_built_before_the_first_constraint(server: LiveServe
         if metrics.get("swaserve_grammar_vocab_build_ms", 0) > 0:
             break
         time.sleep(0.5)
-    assert metrics.get("swaserve_grammar_vocab_build_ms", 0) > 0, "the table was not built in the background"
+    assert metrics.get("swaserve_grammar_vocab_build_ms", 0) > 0, "the table was not built at start"
     assert metrics["swaserve_grammar_cache_misses_total"] == 0  # no constraint compiled it
 
 
