@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,13 @@ class LiveServer:
                 return m
             time.sleep(0.05)
 
+    def wait_exit_code(self, code: int, timeout: float) -> None:
+        """Wait until the server set its exit code to `code` (1: it stops because its engine died)."""
+        deadline = time.monotonic() + timeout
+        while self.server.config.app.state.exit_code != code:
+            assert time.monotonic() < deadline, f"the server did not set exit code {code} within {timeout} s"
+            time.sleep(0.05)
+
     @property
     def client_state(self) -> Any:
         return self.server.config.app.state.engine_client
@@ -87,6 +95,12 @@ def start_server(spec: CoreSpec, tokenizer: Any = None, **kw: Any) -> LiveServer
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$")
+
+
+def skip_to_first_event(lines: Iterator[str]) -> None:
+    """Advance a streaming response's lines past its first `data:` event (the stream has started)."""
+    while not next(lines).startswith("data: "):
+        pass
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from live_server import parse_metrics, skip_to_first_event
 from test_server_faults import _children, _gone
 from test_server_lifecycle import _port_free, _spawn
 
@@ -41,8 +42,6 @@ def _layout(pid: int) -> tuple[list[int], list[int]]:
 
 
 def _metrics(port: int) -> dict[str, float]:
-    from live_server import parse_metrics
-
     return parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
 
 
@@ -65,8 +64,7 @@ def _first_chunk(port: int, max_tokens: int) -> Iterator[Iterator[str]]:
             json={"model": "fake-model", "prompt": "go", "max_tokens": max_tokens, "stream": True,
                   "ignore_eos": True}) as r:
         lines = r.iter_lines()
-        while not next(lines).startswith("data: "):
-            pass
+        skip_to_first_event(lines)
         yield lines
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from live_server import LiveServer, fake_spec, start_server
+from live_server import LiveServer, fake_spec, skip_to_first_event, start_server
 
 from swaserve.core.engine_core import CoreSpec
 from swaserve.server.core_pool import replica_specs
@@ -180,8 +180,7 @@ def test_dead_replica_fails_every_request_and_turns_unhealthy():
             with httpx.Client(timeout=30) as http, http.stream(
                     "POST", live.base_url + "/completions", json={**LONG, "prompt": f"stream {i}"}) as r:
                 lines = r.iter_lines()
-                while not next(lines).startswith("data: "):
-                    pass
+                skip_to_first_event(lines)
                 opened.wait()
                 tail = [line for line in lines if line]
             results[i] = "error" if any('"engine_dead"' in t for t in tail) else f"no error: {tail[-2:]}"
@@ -250,8 +249,7 @@ def test_killed_replica_core_exits_the_server_nonzero_and_stops_the_other():
             for i in range(2):  # one on each replica
                 r = stack.enter_context(http.stream("POST", url + "/v1/completions", json={**LONG, "prompt": f"{i}"}))
                 lines = r.iter_lines()
-                while not next(lines).startswith("data: "):
-                    pass
+                skip_to_first_event(lines)
                 responses.append(lines)
             os.kill(cores[1], signal.SIGKILL)
             for lines in responses:

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from live_server import skip_to_first_event
 from test_server_lifecycle import _spawn
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
@@ -60,8 +61,7 @@ def test_core_killed_mid_stream_fails_every_request_and_the_server_exits():
             with httpx.Client(timeout=60) as http, http.stream("POST", base + "/completions",
                                                                  json={**LONG, "stream": True}) as r:
                 lines = r.iter_lines()
-                while not next(lines).startswith("data: "):
-                    pass
+                skip_to_first_event(lines)
                 started.wait()
                 tail = [line for line in lines if line]
             results[i] = ("error" if any('"error"' in t for t in tail) else f"no error: {tail[-2:]}", time.monotonic())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from live_server import fake_spec, start_server
+from live_server import fake_spec, skip_to_first_event, start_server
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +72,7 @@ def test_tp2_rank_killed_fails_requests_and_stops_the_server():
         body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as http, http.stream("POST", live.base_url + "/completions", json=body) as r:
             lines = r.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass
+            skip_to_first_event(lines)
             killed = time.monotonic()
             os.kill(rank.pid, signal.SIGKILL)
             tail = [line for line in lines if line]
@@ -81,9 +80,6 @@ def test_tp2_rank_killed_fails_requests_and_stops_the_server():
         assert time.monotonic() - killed < 20
         _gone, alive = psutil.wait_procs([core], timeout=20)
         assert not alive, "the core exits when one of its ranks died"
-        deadline = time.monotonic() + 20
-        while live.server.config.app.state.exit_code != 1:
-            assert time.monotonic() < deadline, "the server did not stop after its engine died"
-            time.sleep(0.05)
+        live.wait_exit_code(1, 20)  # it stops after its engine died
     finally:
         live.stop()

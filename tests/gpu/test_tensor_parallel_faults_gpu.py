@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from common import model_dir
-from live_server import fake_spec, start_server
+from live_server import fake_spec, skip_to_first_event, start_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 STREAMS = 8
@@ -52,8 +52,7 @@ def test_rank_killed_under_load_fails_every_stream_and_frees_the_gpus():
                 with httpx.Client(timeout=120) as http, \
                         http.stream("POST", live.base_url + "/completions", json=body) as r:
                     lines = r.iter_lines()
-                    while not next(lines).startswith("data: "):
-                        pass
+                    skip_to_first_event(lines)
                     started.wait()
                     tail = [line for line in lines if line]
                 ends[i] = "error" if any('"error"' in t for t in tail) else f"no error: {tail[-2:]}"
@@ -73,9 +72,6 @@ def test_rank_killed_under_load_fails_every_stream_and_frees_the_gpus():
         assert time.monotonic() - killed < 30, "every stream failed within seconds"
         _, alive = psutil.wait_procs([core, rank], timeout=30)
         assert not alive, f"engine processes still running (and holding GPU memory): {alive}"
-        deadline = time.monotonic() + 30
-        while live.server.config.app.state.exit_code != 1:
-            assert time.monotonic() < deadline, "the server did not stop after its engine died"
-            time.sleep(0.05)
+        live.wait_exit_code(1, 30)  # it stops after its engine died
     finally:
         live.stop()
