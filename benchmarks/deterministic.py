@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import empty_cache, model_dir, parse_args, random_model  # noqa: E402
 from probes import drain  # noqa: E402
+from profiling import by_launch_shape  # noqa: E402
 
 
 def load(model: str, device: torch.device, dtype: torch.dtype, tp: int = 1):
@@ -129,26 +130,6 @@ def profile_offline(engine, vocab: int, n: int, rng: random.Random, max_context:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         offline_tok_s(engine, vocab, n, rng, max_context)
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20) + "\n" + by_launch_shape(prof, 30)
-
-
-def by_launch_shape(prof, top: int = 14) -> str:
-    """The kernels again, split by grid (one GEMM kernel serves every projection; the grid tells them
-    apart): calls, mean and total microseconds, from the profiler's trace."""
-    import tempfile
-    from collections import defaultdict
-
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
-    groups = defaultdict(list)
-    for e in events:
-        if e.get("cat") == "kernel":
-            groups[(e["name"][:48], tuple(e.get("args", {}).get("grid", ())))].append(e["dur"])
-    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
-    lines = [f"{'kernel':<48} {'grid':<16} {'calls':>6} {'mean us':>8} {'total us':>9}"]
-    lines += [f"{k:<48} {str(list(g)):<16} {len(d):>6} {sum(d) / len(d):>8.1f} {sum(d):>9.0f}"
-              for (k, g), d in rows]
-    return "\n".join(lines)
 
 
 def run_cost(args, loaded, device, dtype) -> None:

@@ -36,6 +36,8 @@ from common import (  # noqa: E402
     param_bytes, parse_args, random_model,
 )
 
+# --profile-bs: the decode steps profiled, after the first few.
+PROFILE_AFTER, PROFILE_STEPS = 4, 16
 # Step kinds that decode running requests: each reads every weight once for them.
 DECODING_KINDS = ("decode", "mixed")
 
@@ -59,9 +61,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --tp: each rank holds whole experts (1/N of them) instead of 1/N of every expert")
     ap.add_argument("--decode-table", default="", help="batch sizes, e.g. 1,16,64: the decode step at each")
     ap.add_argument("--table-context", type=int, default=1024, help="prompt tokens of each --decode-table request")
+    ap.add_argument("--table-output-len", type=int, default=None,
+                    help="output tokens of each --decode-table request (default: --output-len)")
+    ap.add_argument("--profile-bs", type=int, default=0,
+                    help="a --decode-table batch size whose decode steps are also profiled (rank 0's kernels: "
+                         "by part of the step, device busy vs wall, by launch grid)")
     a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=6, min_input=8, max_input=48, output_len=6,
                                         runs=2, overlap="on",
-                                        max_prefill_tokens=64, decode_table="1,3", table_context=20))
+                                        max_prefill_tokens=64, decode_table="1,3", table_context=20,
+                                        table_output_len=10, profile_bs=3))
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
 
@@ -78,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     table = [int(b) for b in a.decode_table.split(",") if b]
     running = max([a.max_running_requests or a.num_requests, *table])
     engine = Engine(source, device=dev, dtype=dtype, max_running_requests=running,
-                    max_context=max(a.max_input, a.table_context) + a.output_len + 8, max_prefill_tokens=a.max_prefill_tokens,
+                    max_context=max(a.max_input + a.output_len, a.table_context + table_out(a)) + 8, max_prefill_tokens=a.max_prefill_tokens,
                     overlap_schedule=overlap, **parallel)
     rng = random.Random(a.seed)
     lens = [rng.randint(a.min_input, a.max_input) for _ in range(a.num_requests)]
@@ -107,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     engine.close()
 
 
+def table_out(a) -> int:
+    return a.table_output_len or a.output_len
+
+
 def print_decode_table(engine, a, batch_sizes: list[int], dev, dtype, bw: float) -> None:
     """The decode step at each fixed batch: mean wall time of the pure decode steps (every request
     decoding, none prefilling) and its fraction of the roofline (rank 0's bytes)."""
@@ -115,24 +127,39 @@ def print_decode_table(engine, a, batch_sizes: list[int], dev, dtype, bw: float)
     from swaserve.request import SamplingParams
 
     loaded = SimpleNamespace(model=engine.runner.model, config=engine.model_config)
-    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=table_out(a), ignore_eos=True)
     vocab, rng, tp = engine.model_config.vocab_size, random.Random(a.seed + 1), max(a.tp, 1)
+    if a.profile_bs and a.profile_bs not in batch_sizes:
+        raise SystemExit(f"--profile-bs {a.profile_bs} is not a --decode-table batch size")
     rows = []
     for bs in batch_sizes:
         for i in range(bs):
             engine.add_request(f"table-{bs}-{i}", [rng.randint(10, min(200000, vocab - 1))
                                                    for _ in range(a.table_context)], params)
         times = []
+        prof = profiler(dev) if bs == a.profile_bs else None
+        profiled: list[float] = []  # the profiled decode steps' wall times
+        started = False
         while engine.has_unfinished():
+            # Profile up to 16 pure decode steps, a few steps in (the first ones wait for the prefill).
+            if prof is not None and not started and len(times) == PROFILE_AFTER:
+                prof.start()
+                started = True
             t = time.perf_counter()
             engine.step(finished_only=True)
             if engine.last_step is not None and engine.last_step[0] == "decode":
                 times.append(time.perf_counter() - t)
+                if started and prof is not None:
+                    profiled.append(times[-1])
+            if started and prof is not None and (len(profiled) == PROFILE_STEPS or not engine.has_unfinished()):
+                prof.stop()
+                print_profile(prof, a, bs, profiled)
+                prof = None
         times = times[2:] or times  # the first decode steps after the prefill wait for it (overlap)
         if not times:
-            raise SystemExit(f"decode table: no pure decode step at batch {bs} (raise --output-len)")
+            raise SystemExit(f"decode table: no pure decode step at batch {bs} (raise --table-output-len)")
         step_s = sum(times) / len(times)
-        ctx = a.table_context + a.output_len // 2
+        ctx = a.table_context + table_out(a) // 2
         # Rank 0's share: its weights as held, its K/V heads (the heads split evenly over the ranks).
         weights = decode_step_bytes(loaded, bs, 0, dtype)
         kv = decode_step_bytes(loaded, bs, ctx, dtype) - weights
@@ -141,10 +168,28 @@ def print_decode_table(engine, a, batch_sizes: list[int], dev, dtype, bw: float)
         print(json.dumps({"decode_table": True, "shape": a.shape, "tp": a.tp, "bs": bs, "ctx": ctx,
                           "step_ms": round(step_s * 1e3, 3), "roofline_frac": round(roof_s / step_s, 3),
                           "steps": len(times), "hardware": hardware()}), flush=True)
-    print(f"\ndecode steps, {a.shape} tp={a.tp}, prompts of {a.table_context} tokens, {a.output_len} out ({dev}):")
+    print(f"\ndecode steps, {a.shape} tp={a.tp}{' ep' if a.enable_expert_parallel else ''}, prompts of "
+          f"{a.table_context} tokens, {table_out(a)} out ({dev}):")
     print(f"{'bs':>4} {'step ms':>9} {'tok/s':>9} {'of roofline':>12}")
     for bs, ms, tok_s, frac in rows:
         print(f"{bs:>4} {ms:>9.2f} {tok_s:>9.1f} {frac * 100:>11.1f}%")
+
+
+def profiler(dev):
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU])
+
+
+def print_profile(prof, a, bs: int, step_times: list[float]) -> None:
+    """Rank 0's decode step at batch bs: kernel time by part of the step against the wall time, then
+    the largest kernels by launch grid."""
+    from profiling import by_launch_shape, kernel_events, step_breakdown
+
+    events = kernel_events(prof)
+    print(f"\nprofile: {a.shape} tp={a.tp}{' ep' if a.enable_expert_parallel else ''}, decode bs {bs}, rank 0")
+    print(step_breakdown(events, len(step_times), sum(step_times)))
+    print(by_launch_shape(prof, 20, events), flush=True)
 
 
 def one_run(engine, a, lens, params, rng, dev, bw, weights, full_b, swa_b, W) -> dict:
