@@ -97,33 +97,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--probes", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--parts", default="capacity,decode,agreement",
+                    help="which numbers (the agreement needs the embedded model's package: on a GPU machine "
+                         "without it, run `--parts agreement` where it is installed)")
     a = parse_args(ap, argv, smoke=dict(shape="tiny", decode_shape="tiny", kv_gib=0.01, context=512, bs=4, ctx=40, steps=2, warmup=1,
                                         probes=2, max_tokens=4))
     dev = bench_device(a.smoke)
     dtype = bench_dtype(dev)
+    parts = set(a.parts.split(","))
     print(f"# {hardware()}", flush=True)
-    for r in capacity(a.shape, a.kv_gib, a.context, 8192):
+    caps = {r["cache"]: r for r in capacity(a.shape, a.kv_gib, a.context, 8192)} if "capacity" in parts else {}
+    for r in caps.values():
         print(json.dumps(dict(part="capacity", shape=a.shape, kv_gib=a.kv_gib, context=a.context, **r)), flush=True)
-    times = decode_times(a.decode_shape, a.bs, a.ctx, a.steps, a.warmup, dev, dtype)
+    times = decode_times(a.decode_shape, a.bs, a.ctx, a.steps, a.warmup, dev, dtype) if "decode" in parts else []
     for r in times:
         print(json.dumps(dict(part="decode", shape=a.decode_shape, **r)), flush=True)
-    if a.smoke:  # the embedded 270M is minutes on a CPU: the tiny random shape instead
-        model, label, lengths, vocab = random_model("tiny", dev, dtype), "tiny (random)", (8, 60), 150
-    else:
-        model, label, lengths, vocab = None, "gemma-3-270m", (64, 1500), 30000
-    agree = agreement(model, a.probes, a.max_tokens, lengths, vocab, dev, dtype)
-    for name, r in agree.items():
-        print(json.dumps(dict(part="agreement", model=label, cache=name, **r)), flush=True)
+    agree: dict = {}
+    if "agreement" in parts:
+        if a.smoke:  # the embedded 270M is minutes on a CPU: the tiny random shape instead
+            model, label, lengths, vocab = random_model("tiny", dev, dtype), "tiny (random)", (8, 60), 150
+        else:
+            model, label, lengths, vocab = None, "gemma-3-270m", (64, 1500), 30000
+        agree = agreement(model, a.probes, a.max_tokens, lengths, vocab, dev, dtype)
+        for name, r in agree.items():
+            print(json.dumps(dict(part="agreement", model=label, cache=name, **r)), flush=True)
     print(f"\n{'cache':<22} {'full tok':>9} {'SWA tok':>8} {f'{a.context} reqs':>10} {'step ms':>8} "
           f"{'tok/s':>8} {'identical':>10} {'tokens eq':>9}")
-    caps = {r["cache"]: r for r in capacity(a.shape, a.kv_gib, a.context, 8192)}
-    for t in times:
-        c, g = caps[t["cache"]], agree.get(t["cache"])
-        ident = f"{g['identical']}/{g['probes']}" if g else "ref"
-        teq = f"{g['token_agreement'] * 100:.1f}%" if g else "ref"
-        print(f"{t['cache']:<22} {c['full_tokens']:>9} {c['swa_tokens']:>8} {c['requests_at_ctx']:>10} "
-              f"{t['step_ms']:>8} {t['tok_per_s']:>8} {ident:>10} {teq:>9}")
-
+    steps = {t["cache"]: t for t in times}
+    for name in CACHES:
+        c, t, g = caps.get(name, {}), steps.get(name, {}), agree.get(name)
+        ident = f"{g['identical']}/{g['probes']}" if g else ("ref" if agree else "-")
+        teq = f"{g['token_agreement'] * 100:.1f}%" if g else ("ref" if agree else "-")
+        print(f"{name:<22} {c.get('full_tokens', '-'):>9} {c.get('swa_tokens', '-'):>8} {c.get('requests_at_ctx', '-'):>10} "
+              f"{t.get('step_ms', '-'):>8} {t.get('tok_per_s', '-'):>8} {ident:>10} {teq:>9}")
 
 if __name__ == "__main__":
     main()

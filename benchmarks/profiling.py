@@ -26,7 +26,7 @@ def by_launch_shape(prof, top: int = 14, events: list[dict] | None = None) -> st
         groups[(e["name"][:48], tuple(e.get("args", {}).get("grid", ())))].append(e["dur"])
     rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
     lines = [f"{'kernel':<48} {'grid':<16} {'calls':>6} {'mean us':>8} {'total us':>9}"]
-    lines += [f"{k:<48} {str(list(g)):<16} {len(d):>6} {sum(d) / len(d):>8.1f} {sum(d):>9.0f}"
+    lines += [f"{k:<48} {list(g)!s:<16} {len(d):>6} {sum(d) / len(d):>8.1f} {sum(d):>9.0f}"
               for (k, g), d in rows]
     return "\n".join(lines)
 
@@ -65,7 +65,8 @@ def step_breakdown(events: list[dict], steps: int, wall_s: float) -> str:
             busy += b - max(a, end)
             end = b
     wall_us = wall_s * 1e6 / steps
-    lines = [f"per step (mean of {steps}): wall {wall_us:.0f} us, device busy {busy / steps:.0f} us "
-             f"({busy / steps / wall_us * 100:.0f}%), kernels {len(events) / steps:.0f}"]
+    head = (f"per step (mean of {steps}): wall {wall_us:.0f} us, device busy {busy / steps:.0f} us "
+            f"({busy / steps / wall_us * 100:.0f}%), kernels {len(events) / steps:.0f}")
+    lines = [head]
     lines += [f"  {k:<16} {v / steps:>9.0f} us" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines)

@@ -97,7 +97,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if not tp.enabled:
         return x
     if tp.one_shot is not None and tp.one_shot.fits(x):
-        return tp.one_shot(x)  # rank order too: ordered or not
+        return tp.one_shot(x, ordered=tp.ordered)  # rank order too: ordered or not
     if not tp.ordered:
         dist.all_reduce(x, group=tp.group)
         return x

@@ -47,7 +47,7 @@ def _round_e4m3(v, EMULATE: tl.constexpr):
     return v.to(tl.float8e4nv)
 
 
-@jit_per_batch("M", "stride_xm", "stride_qm", "stride_sm")
+@jit_per_batch("M", aligned=("stride_xm", "stride_qm", "stride_sm"))
 def _quant_groups_kernel(x, q, s, M, K, stride_xm, stride_qm, stride_sm, ROWS: tl.constexpr,
                          GROUP: tl.constexpr, EMULATE: tl.constexpr):
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -76,7 +76,7 @@ def quant_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-@jit_per_batch("M", "stride_am", "stride_asm", "stride_om")
+@jit_per_batch("M", aligned=("stride_am", "stride_asm", "stride_om"))
 def _fp8_gemm_kernel(
     a, a_s, w, w_s, bias, out, M, N, K,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_om,

@@ -207,7 +207,8 @@ class SWATokenToKVPoolAllocator:
 
     def translate_full_to_swa(self, full_slots: torch.Tensor) -> torch.Tensor:
         """SWA slots paired with `full_slots` (int32, on the input's device); unmapped -> 0, -1 -> -1."""
-        table = self.full_to_swa_device if full_slots.device == self.device else self.full_to_swa
+        # By device type: `self.device` may be given without an index ("cuda" != "cuda:0").
+        table = self.full_to_swa_device if full_slots.device.type == self.device.type else self.full_to_swa
         return table[full_slots.long()].to(torch.int32)
 
     def free(self, full_slots: torch.Tensor) -> None:

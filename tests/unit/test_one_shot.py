@@ -7,13 +7,25 @@ from __future__ import annotations
 import torch
 
 from swaserve.distributed import state
-from swaserve.distributed.one_shot import OneShotAllReduce, build_one_shot
+from swaserve.distributed.one_shot import TWO_SHOT_MIN_BYTES, OneShotAllReduce, build_one_shot
 
 
-def _unbuilt(dtype: torch.dtype, capacity: int) -> OneShotAllReduce:
+def _unbuilt(dtype: torch.dtype, capacity: int, ranks: int = 2) -> OneShotAllReduce:
     one = OneShotAllReduce.__new__(OneShotAllReduce)  # routing only: no buffer, no group
-    one.dtype, one.capacity = dtype, capacity
+    one.dtype, one.capacity, one.ranks = dtype, capacity, ranks
+    one._two_shot = object()  # present, as in torch 2.7 on
     return one
+
+
+def test_two_shot_takes_large_messages_on_four_ranks_or_more():
+    big = torch.zeros(TWO_SHOT_MIN_BYTES // 2, dtype=torch.bfloat16)
+    small = torch.zeros(TWO_SHOT_MIN_BYTES // 2 - 8, dtype=torch.bfloat16)
+    assert _unbuilt(torch.bfloat16, 1 << 20, ranks=4).two_shot(big)
+    assert not _unbuilt(torch.bfloat16, 1 << 20, ranks=4).two_shot(small)
+    assert not _unbuilt(torch.bfloat16, 1 << 20, ranks=2).two_shot(big)  # two ranks: one-shot throughout
+    old = _unbuilt(torch.bfloat16, 1 << 20, ranks=8)
+    old._two_shot = None  # a torch without the kernel
+    assert not old.two_shot(big)
 
 
 def test_fits_only_contiguous_messages_of_its_dtype_within_the_buffer():
@@ -38,8 +50,9 @@ class _Recorder:
     def fits(self, x: torch.Tensor) -> bool:
         return self.takes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:
         self.calls += 1
+        self.ordered = ordered
         return x.mul_(2)  # a stand-in sum over two ranks holding the same partial
 
 
@@ -55,6 +68,7 @@ def test_all_reduce_sends_what_fits_one_shot_even_in_deterministic_mode(monkeypa
         monkeypatch.setattr(state, "_TP", with_group)
         x = torch.ones(8)
         assert state.all_reduce(x) is x and rec.calls == 1 and torch.equal(x, torch.full((8,), 2.0))
+        assert rec.ordered == ordered  # deterministic mode keeps the kernel to one-shot
 
 
 def test_all_reduce_leaves_what_does_not_fit_to_nccl(monkeypatch):
