@@ -16,11 +16,12 @@
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
-# (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 34: svo_url (the
+# (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b (structured
+# outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
 # tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py), fp8_g4 (Gemma-4-26B-A4B --quantization fp8 vs
 # bf16: probes and decode table, benchmarks/fp8_weights.py) and fp8_kv (the FP8 KV cache: kernel tests
-# natively, tests/gpu/test_fp8_kv_gpu.py, benchmarks/fp8_kv.py) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
+# natively, tests/gpu/test_fp8_kv_gpu.py (FP8_KV_TESTS: a -k filter), benchmarks/fp8_kv.py) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
 # its released shape in FP8, TP=4: decode table and offline run, then 200 @ 128 served); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
 # table; EP_ARGS adds offline_throughput.py options), scaling (the same table over SCALE_LAYOUTS, default
@@ -122,9 +123,14 @@ for step in "${steps[@]}"; do
             # tokens at 32k (12B shape, 40 GiB), decode at bs 64 x 8k (4B shape) and 64-probe greedy agreement (270M)
             SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_kv_kernels 200 python3 -m pytest -q -p no:cacheprovider \
                 tests/kernels/test_fp8_kv.py
-            run fp8_kv_gpu 300 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_fp8_kv_gpu.py
+            run fp8_kv_gpu 300 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_fp8_kv_gpu.py \
+                ${FP8_KV_TESTS:+-k "$FP8_KV_TESTS"}
+            # the agreement part needs the embedded model's package, absent on the GPU machines: run it where
+            # installed (`python benchmarks/fp8_kv.py --parts agreement`)
             run fp8_kv_bench 540 python3 benchmarks/fp8_kv.py --shape 12b --kv-gib 40 --decode-shape 4b --ctx 8192 \
-                --bs 64 --probes 64 ;;
+                --bs 64 --probes 64 --parts "${FP8_KV_PARTS:-capacity,decode}" ;;
+        so_1b)  # issue 38: 256 concurrent requests with a JSON schema vs without (1B shape, random weights)
+            run so_1b 300 python3 benchmarks/structured_outputs.py --shape 1b ${SO_ARGS:-} ;;
         serve)
             d=$(model_dir gemma4-26b-a4b)
             run serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \

@@ -41,6 +41,7 @@ class LaunchedStep:
     ready: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
     prompt: PromptScores | None = None  # prompt logprobs scored in this step (record after `wait`)
     deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, hidden], [n] int64 rows), device
+    head_greedy: bool | None = None  # the LM-head path sampling was announced to take (`StepLauncher.head_greedy`)
 
     def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Block until the step is done; its sampled tokens and, if any row asked, logprobs."""
@@ -89,8 +90,11 @@ class StepLauncher:
             return self.verify(self, batch)
         inputs = batch.forward_inputs()
         idx = batch.sample_indices()
+        # Which LM-head path sampling takes: under tensor parallelism the ranks join its collective,
+        # so it is fixed now and sent with the step.
+        head_greedy = self.head_greedy([batch.reqs[i] for i in idx])
         if self.lead is not None:
-            self.lead.send(inputs, idx)
+            self.lead.send(inputs, idx, greedy=head_greedy)
         fb = inputs.build(self.device)
         hidden, prompt = self.forward_scoring(batch, fb)  # [bs, hidden]
         if self.observer is not None:
@@ -103,7 +107,7 @@ class StepLauncher:
         if len(idx) != len(batch.reqs):
             sel = to_device(torch.tensor(idx), self.device)
             hidden, rows = hidden[sel], rows[sel]
-        step = LaunchedStep(batch, reqs, None, None, None, prompt, deferred=(hidden, rows))
+        step = LaunchedStep(batch, reqs, None, None, None, prompt, deferred=(hidden, rows), head_greedy=head_greedy)
         # Overlap: a constrained row's mask needs the token its previous step (still in flight) picks.
         # The model runs now; the engine samples once it has committed that step.
         if not any(r.grammar is not None and r.inflight > 1 for r in reqs):
@@ -115,7 +119,7 @@ class StepLauncher:
         the device runs the model), record the tokens and start their copy to the host."""
         assert step.deferred is not None
         (hidden, rows), step.deferred = step.deferred, None
-        out, step.asked = self.sample(hidden, step.reqs, rows)
+        out, step.asked = self.sample(hidden, step.reqs, rows, step.head_greedy)
         if self.lead is not None:
             self.lead.share(out.next_token_ids)
         self.runner.record_sampled(rows, out.next_token_ids)
@@ -154,10 +158,21 @@ class StepLauncher:
         assert states is not None, "runner.keep_states is off"
         self.observer.observe(reqs, states, offsets, counts)
 
-    def sample(self, hidden: torch.Tensor, reqs: list[Req], rows: torch.Tensor) -> tuple[SamplerOutput, list | None]:
+    @staticmethod
+    def head_greedy(reqs: list[Req]) -> bool:
+        """Whether sampling `reqs` takes the LM head's greedy path (`runner.greedy_tokens`): every row
+        plain greedy and none under a grammar. Decided at launch, before the rows' grammars can end."""
+        return (bool(reqs) and not any(r.grammar is not None for r in reqs)
+                and is_plain_greedy(distinct_params([r.params for r in reqs])))
+
+    def sample(self, hidden: torch.Tensor, reqs: list[Req], rows: torch.Tensor,
+               head_greedy: bool | None = None) -> tuple[SamplerOutput, list | None]:
         """Next tokens for `reqs` from their last hidden states (`rows`: their request-table rows):
         greedy straight from the LM head where every row is plain greedy, else through the
-        sampling parameters; and each row's `logprobs` setting where any row asked for them."""
+        sampling parameters; and each row's `logprobs` setting where any row asked for them.
+        `head_greedy`: the path announced to the tensor-parallel ranks (`head_greedy`), which must be
+        the one taken: False keeps greedy rows on the logits (None: the greedy path may be taken,
+        except under tensor parallelism, where the ranks were told to gather logits)."""
         params = [r.params for r in reqs]
         distinct = distinct_params(params)
         # Structured outputs: allowed-token bitmasks of the constrained rows (None: no row is). Rows
@@ -172,10 +187,12 @@ class StepLauncher:
             self.mask_fill_seconds += time.perf_counter() - start
             self.masked_rows += sum(r.grammar is not None and not r.finished for r in reqs)
         greedy = is_plain_greedy(distinct)
-        if masks is None and greedy:  # the common case: no logits, no per-row host work
+        fast = head_greedy if head_greedy is not None else self.lead is None
+        if masks is None and greedy and fast:  # the common case: no logits, no per-row host work
             return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
         if greedy:  # constrained, plain greedy: the masked logits' argmax (what the Sampler would take)
-            return SamplerOutput(self._masked_logits(hidden, masks).argmax(dim=-1), None, None, None), None
+            logits = self.runner.logits(hidden) if masks is None else self._masked_logits(hidden, masks)
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None), None
         sb = self._sampling_batch(reqs, params, distinct, rows)
         # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
         # goes through the Sampler, so a row's path does not depend on its neighbours' settings;

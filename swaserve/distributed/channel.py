@@ -19,7 +19,9 @@ class StepMessage(msgspec.Struct, array_like=True, omit_defaults=True):
     device tables to rank 0 (`TensorParallel.check_tables`); `stop`: leave the loop.
     A speculative verify step also has `select` (the token rows whose final states it keeps) and
     `heads` (the LM-head calls rank 0 makes on them, in its order: `[start, rows]` each); `sample` is
-    then the batch rows whose last appended token rank 0 broadcasts."""
+    then the batch rows whose last appended token rank 0 broadcasts. `greedy`: the `sample` rows take
+    the LM head's greedy path (`runner.greedy_tokens`: a gather of each rank's best token per row)
+    instead of the logits gather."""
 
     ops: list[list[Any]] = []
     inputs: ForwardInputs | None = None
@@ -28,6 +30,7 @@ class StepMessage(msgspec.Struct, array_like=True, omit_defaults=True):
     heads: list[list[int]] = []
     check: bool = False
     stop: bool = False
+    greedy: bool = False
 
 
 class StepChannel:

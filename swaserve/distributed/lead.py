@@ -68,11 +68,12 @@ class StepLead:
         self.table_log = table_log
 
     def send(self, inputs: ForwardInputs, sample: list[int], select: list[int] | None = None,
-             heads: list[list[int]] | None = None) -> None:
-        """`select` / `heads`: a verify step's (`channel.StepMessage`)."""
+             heads: list[list[int]] | None = None, greedy: bool = False) -> None:
+        """`select` / `heads`: a verify step's; `greedy`: the sampled rows take the LM head's greedy
+        path (`channel.StepMessage`)."""
         ops = self.table_log[:]
         self.table_log.clear()
-        self.channel.send(StepMessage(ops, inputs.encodable(), sample, select or [], heads or []))
+        self.channel.send(StepMessage(ops, inputs.encodable(), sample, select or [], heads or [], greedy=greedy))
 
     @staticmethod
     def share(tokens: torch.Tensor) -> None:

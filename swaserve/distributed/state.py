@@ -120,6 +120,22 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return out.view(tp.size, n, d).transpose(0, 1).reshape(n, tp.size * d)
 
 
+def vocab_parallel_argmax(best: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax over the whole vocabulary from every rank's best logit `best` `[n]` float32 and
+    its global token id `index` `[n]` int64 in the rank's block: the highest value, the lowest rank (so
+    the lowest token id) on ties, as `torch.argmax` of the gathered logits. One all-gather of 8 bytes a
+    row instead of the rows' logits."""
+    tp = _TP
+    if not tp.enabled:
+        return index
+    pair = torch.stack([best.view(torch.int32), index.to(torch.int32)], dim=1)  # [n, 2] int32, one message
+    every = pair.new_empty(tp.size * pair.shape[0], 2)
+    _all_gather(every, pair, group=tp.group)
+    every = every.view(tp.size, -1, 2)
+    winner = every[..., 0].view(torch.float32).argmax(dim=0)  # [n]: the first rank holding the max
+    return every[..., 1].gather(0, winner[None]).squeeze(0).to(torch.int64)
+
+
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's `x` on every rank, in place (sampled tokens: every rank records the same ones)."""
     tp = _TP

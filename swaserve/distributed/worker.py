@@ -104,7 +104,10 @@ def follow_steps(rt: Runtime, channel: StepChannel) -> None:
             if len(msg.sample) != batch.batch_size:
                 sel = torch.tensor(msg.sample, device=runner.device)
                 hidden, rows = hidden[sel], rows[sel]
-            runner.logits(hidden)  # this rank's part of the vocab-parallel gather
+            if msg.greedy:  # this rank's part of the head's collective: its best tokens, or its logits
+                runner.greedy_tokens(hidden)
+            else:
+                runner.logits(hidden)
         tokens = torch.empty(len(msg.sample), dtype=torch.int64, device=runner.device)
         broadcast_from_first(tokens)
         runner.record_sampled(rows, tokens)

@@ -105,8 +105,9 @@ def _tile_argmax_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_val, part_idx, out, num_tiles, BLOCK: tl.constexpr):
-    """One program per row: the best tile (lowest on ties, since tiles ascend) and its index."""
+def _combine_kernel(part_val, part_idx, out, out_val, num_tiles, BLOCK: tl.constexpr, WITH_VALUE: tl.constexpr):
+    """One program per row: the best tile (lowest on ties, since tiles ascend) and its index (and,
+    WITH_VALUE, the best value)."""
     row = tl.program_id(0)
     base = row.to(tl.int64) * num_tiles
     best_val = tl.full([], float("-inf"), tl.float32)
@@ -119,6 +120,8 @@ def _combine_kernel(part_val, part_idx, out, num_tiles, BLOCK: tl.constexpr):
         best_tile = tl.where(better, t0 + tl.argmax(v, axis=0, tie_break_left=True), best_tile)
         best_val = tl.where(better, m, best_val)
     tl.store(out + row, tl.load(part_idx + base + best_tile).to(tl.int64))
+    if WITH_VALUE:
+        tl.store(out_val + row, best_val)
 
 
 @triton.jit
@@ -159,12 +162,14 @@ def lm_head_argmax(
     inv_temperature: torch.Tensor | None = None,  # [M] float32, device: 1/T; 0 = greedy row
     seeds: torch.Tensor | None = None,  # [M] int64 in [0, 2**63), device: each sampling row's seed
     combine_block: int = 1024,  # tiles per step of the combine kernel's loop
+    values: torch.Tensor | None = None,  # [M] float32: receives each row's best (soft-capped) logit
     **settings: int,  # block_m, block_n, block_k, num_warps, num_stages; default launch_settings(M)
 ) -> torch.Tensor:  # [M] int64
     """Each row's `argmax_j softcap(x @ W.T)[row, j]` (lowest j on ties), in two launches, with no
     logits in memory. `softcap=None` means no cap. With `inv_temperature` and `seeds`, a row with a
     positive inverse temperature takes `argmax_j (logit_j * inv_t + gumbel(seed, j))` instead: a
-    sample of `softmax(logits * inv_t)`."""
+    sample of `softmax(logits * inv_t)`. `values` (greedy only): the best logits too, e.g. to pick
+    between the vocabulary blocks of tensor-parallel ranks."""
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -194,5 +199,8 @@ def lm_head_argmax(
         BLOCK_K=cfg["block_k"], UPCAST=upcast, PREC=prec, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    _combine_kernel[(M,)](part_val, part_idx, out, num_tiles, BLOCK=combine_block, num_warps=4)
+    if values is not None:
+        assert not noise and values.shape == (M,) and values.dtype == torch.float32, (noise, values.shape)
+    _combine_kernel[(M,)](part_val, part_idx, out, values if values is not None else part_val, num_tiles,
+                          BLOCK=combine_block, WITH_VALUE=values is not None, num_warps=4)
     return out

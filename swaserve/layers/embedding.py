@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swaserve.distributed.state import all_gather_last, all_reduce, tp_group, vocab_shard
+from swaserve.distributed.state import all_gather_last, all_reduce, tp_group, vocab_parallel_argmax, vocab_shard
 from swaserve.layers.activation import soft_cap
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -122,13 +122,44 @@ class LMHead(nn.Module):
         # Deterministic mode too: the fused kernel's logits are bi_matmul's bit for bit (one MMA chain
         # along K), so a row's token is the argmax of the logits a mixed batch's Sampler sees; not
         # with a soft-cap, which it computes with other float ops than `soft_cap`.
-        fused = not self.parallel and (not self.batch_invariant or self.final_softcap is None)
+        fused = not self.batch_invariant or self.final_softcap is None
+        if self.parallel:
+            return self._vocab_parallel_greedy(hidden, weight, fused)
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and fused:
             from swaserve.kernels.lm_head_argmax import lm_head_argmax
 
             x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
             return lm_head_argmax(x, weight, self.final_softcap)
         return self.forward(hidden, embedding).argmax(dim=-1)
+
+    def _vocab_parallel_greedy(self, hidden: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+        """Tensor parallelism: each rank's best token in its vocabulary block (the fused kernel where it
+        runs, else its block's logits), then one gather of (best logit, token id) per row and rank
+        (`state.vocab_parallel_argmax`): the whole rows' logits never move. The same token as the
+        argmax of the gathered logits: each block's logits are the same bits either way."""
+        start, rows, _ = vocab_shard(self.vocab_size)
+        weight = weight[:rows]  # the last block's zero padding must not compete (a 0 logit can win)
+        n = hidden.shape[0]
+        if rows == 0:  # a vocabulary smaller than the ranks' blocks: this rank holds none of it
+            best = torch.full((n,), float("-inf"), device=hidden.device)
+            index = torch.zeros(n, dtype=torch.int64, device=hidden.device)
+        elif hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and fused:
+            from swaserve.kernels.lm_head_argmax import lm_head_argmax
+
+            x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+            best = torch.empty(n, dtype=torch.float32, device=hidden.device)
+            index = lm_head_argmax(x, weight, self.final_softcap, values=best)
+        else:
+            if self.batch_invariant:
+                from swaserve.layers.batch_invariant import invariant_linear
+
+                logits = invariant_linear(hidden, weight, out_dtype=torch.float32)
+            else:
+                logits = F.linear(hidden, weight).float()
+            if self.final_softcap is not None:
+                logits = soft_cap(logits, self.final_softcap)
+            best, index = logits.max(dim=-1)
+        return vocab_parallel_argmax(best.contiguous(), index + start)
 
     def sample(self, hidden: torch.Tensor, embedding: VocabEmbedding, inv_temperature: torch.Tensor,
                seeds: torch.Tensor) -> torch.Tensor:

@@ -68,13 +68,15 @@ def launch_verify(launcher: StepLauncher, batch: ScheduleBatch) -> VerifiedStep:
         if asked is not None:
             lps.update(zip(plain, sampled.logprob_dicts(asked)))
     if spec:
-        # All greedy (the common case): the LM head's argmax, no logits; else logits for every row.
-        logits = None if all(batch.reqs[i].params.is_greedy for i in spec) else runner.logits(hidden[:n_spec])
+        # All greedy (the common case): the LM head's argmax, no logits; else logits for every row. Under
+        # tensor parallelism the ranks were told to gather logits (`heads`): their argmax then.
+        all_greedy = all(batch.reqs[i].params.is_greedy for i in spec)
+        logits = None if all_greedy and launcher.lead is None else runner.logits(hidden[:n_spec])
         greedy = (runner.greedy_tokens(hidden[:n_spec]) if logits is None else logits.argmax(dim=-1)).tolist()
         off = 0
         for i in spec:
             n, r = batch.extend_lens[i], batch.reqs[i]
-            rows = logits[off : off + n] if logits is not None else None
+            rows = logits[off : off + n] if logits is not None and not all_greedy else None
             out[i] = accept(rows, batch.drafts[i], r.params, len(r.ids), greedy[off : off + n])
             off += n
     if launcher.observer is not None:  # the states of each row's kept inputs

@@ -54,6 +54,22 @@ def test_matches_reference_argmax(device, seed, dtype, m, n, k, softcap):
     _assert_argmax(got, x, w, softcap, seed)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_values_are_the_best_logits(device, seed, softcap):
+    """`values=` (the tensor-parallel greedy head compares ranks' best logits): each row's best
+    (soft-capped) logit, the one at the returned token, as the kernel computed it."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(SMALL_M + 3, 64, generator=g) * 4).to(device)
+    w = torch.randn(150, 64, generator=g).to(device)
+    best = torch.empty(x.shape[0], dtype=torch.float32, device=device)
+    got = lm_head_argmax(x, w, softcap, values=best, **SMALL)
+    ref = _ref_logits(x, w, softcap)
+    _assert_argmax(got, x, w, softcap, seed, ref)
+    at_token = ref.gather(1, got[:, None]).squeeze(1).float()
+    torch.testing.assert_close(best, at_token, rtol=1e-4, atol=1e-4)
+    assert torch.equal(lm_head_argmax(x, w, softcap, **SMALL), got)  # asking for values changes nothing
+
+
 @pytest.mark.parametrize("m", [3, SMALL_M + 2])  # both launch settings
 def test_default_launch_settings(device, seed, m):
     g = torch.Generator().manual_seed(seed)
