@@ -6,11 +6,14 @@ SwiGLU; MXFP4 experts as released and the same shape in bf16, side by side): mic
 CUDA graph (CUDA-event timed replays), the bytes it must read (the stored weights of the distinct experts
 the routing hits, counted from the ids: MXFP4 codes + scales + bf16 biases, or bf16 weights (+ biases);
 plus x and the output) and the fraction of the measured copy bandwidth; for Gemma 4 also the pair sort and
-the combine alone, so the two GEMMs' share is the rest. JSON lines, then a table.
+the combine alone, so the two GEMMs' share is the rest. JSON lines, then a table. Then the pair sort alone
+(`align_pairs`, the one-program kernel up to 2048 pairs) at decode sizes over 128 and 256 experts.
 
     python benchmarks/moe_kernel.py [--model gpt-oss-20b] [--tokens 1,16,64,256] [--calls 10] [--block-k 128]
     python benchmarks/moe_kernel.py --model gpt-oss-20b --variants bits:64:4:3,float:64:4:3,group:64:8:3
         # MXFP4 dequantisation modes x tiles (mode:block_n:warps:stages), one row each, to pick the default
+    python benchmarks/moe_kernel.py --align-only --align-tokens 1,16,64,128,256 --align-experts 128,256
+        # the pair sort alone: us per call by tokens (x the model's top-k) and experts
     python benchmarks/moe_kernel.py --smoke     # a tiny expert shape, Triton's interpreter on the CPU (CI)
 """
 
@@ -81,9 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default=None,
                     help="MXFP4: comma-separated MODE:BLOCK_N:WARPS:STAGES (MODE bits, float, group or scaled; 0 keeps "
                          "the default), each timed as its own row")
-    a = parse_args(ap, argv, smoke=dict(tokens="1,5", calls=1, shape="64,8,2,32", variants="group:16:4:2"))
+    ap.add_argument("--align-tokens", default="1,16,64,128,256", help="the pair sort alone: token counts")
+    ap.add_argument("--align-experts", default="128,256", help="the pair sort alone: expert counts")
+    ap.add_argument("--align-only", action="store_true", help="time the pair sort alone, not the experts")
+    a = parse_args(ap, argv, smoke=dict(tokens="1,5", calls=1, shape="64,8,2,32", variants="group:16:4:2",
+                                        align_tokens="1,5", align_experts="8,6"))
     H, E, K, I = (int(x) for x in (a.shape or SHAPES[a.model]).split(","))
-    from swaserve.kernels.fused_moe import _block_m, align_pairs, combine, fused_moe
     from swaserve.kernels.pdl import pdl_supported
 
     dev = bench_device(a.smoke)
@@ -91,6 +97,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; PDL {'on' if pdl_supported() else 'off'}; "
           f"{a.model} experts: hidden {H}, {E} experts top-{K}, intermediate {I}", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
+    if not a.align_only:
+        expert_rows(a, H, E, K, I, dev, bw, g)
+    align_rows(a, K, dev, g)
+
+
+def expert_rows(a: argparse.Namespace, H: int, E: int, K: int, I: int, dev: torch.device, bw: float,
+                g: torch.Generator) -> None:
+    """`fused_moe` per format and token count: us per call, bytes, fraction of the copy roofline."""
+    from swaserve.kernels.fused_moe import _block_m, align_pairs, combine, fused_moe
+
     formats = experts(a.model, H, E, I, dev, g)
     rows = []
     for n in [int(t) for t in a.tokens.split(",")]:
@@ -132,6 +148,24 @@ def main(argv: list[str] | None = None) -> None:
         if ("mxfp4", n) in us and ("bf16", n) in us:
             print(f"# {n} tokens: MXFP4 {us['mxfp4', n]} us, bf16 {us['bf16', n]} us "
                   f"({us['bf16', n] / us['mxfp4', n]:.2f}x)")
+
+
+def align_rows(a: argparse.Namespace, K: int, dev: torch.device, g: torch.Generator) -> None:
+    """`align_pairs` alone (its block_m as `fused_moe` picks it), one routing per captured call."""
+    from swaserve.kernels.fused_moe import _block_m, align_pairs
+
+    rows = []
+    for E in [int(e) for e in a.align_experts.split(",")]:
+        for n in [int(t) for t in a.align_tokens.split(",")]:
+            ids = [torch.randn(n, E, generator=g, device=dev).topk(min(K, E), -1).indices for _ in range(a.calls)]
+            bm = _block_m(n * K, E)
+            us = graph_us(lambda i: align_pairs(ids[i], E, bm), calls=a.calls)  # noqa: B023
+            r = {"kernel": "align_pairs", "experts": E, "tokens": n, "pairs": n * K, "block_m": bm, "us": round(us, 1)}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print(f"\n{'experts':>7} {'tokens':>6} {'pairs':>6} {'block_m':>7} {'align us':>9}")
+    for r in rows:
+        print(f"{r['experts']:>7} {r['tokens']:>6} {r['pairs']:>6} {r['block_m']:>7} {r['us']:>9}")
 
 
 if __name__ == "__main__":

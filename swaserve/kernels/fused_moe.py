@@ -18,7 +18,9 @@ from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 # Up to this many pairs (n * k) one program sorts them (`_align_kernel`: one launch, the decode case);
 # above it the sort is ~30 torch ops, whose launches are small next to a prefill's GEMMs.
 ALIGN_KERNEL_MAX_PAIRS = 2048
-_ALIGN_CHUNK = 128  # pairs (or blocks) one step of the align kernel handles
+# The kernel sorts a power of two of pairs, at least this many: few compiled sizes (256 .. 2048).
+_ALIGN_MIN_PAIRS = 256
+_ALIGN_CHUNK = 512  # padding slots (or unused blocks) one step of the align kernel writes
 
 
 def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -51,10 +53,12 @@ def align_pairs(
         sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
         block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
         valid = row_valid.view(torch.uint8) if row_valid is not None else ids  # bool as bytes
+        pairs = max(triton.next_power_of_2(N), _ALIGN_MIN_PAIRS)
         _align_kernel[(1,)](
             ids, valid, sorted_pairs, block_expert, N, blocks,
             TOP_K=k, E=E, E_PAD=triton.next_power_of_2(E), HAS_VALID=row_valid is not None,
-            EXPERT_START=expert_start, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, num_warps=4, **pdl_kwargs(ids),
+            EXPERT_START=expert_start, BLOCK_M=block_m, PAIRS=pairs, CHUNK=_ALIGN_CHUNK,
+            num_warps=4 if pairs <= 1024 else 8, **pdl_kwargs(ids),
         )
         return sorted_pairs, block_expert
     ids = topk_ids.reshape(-1).long()
@@ -86,44 +90,40 @@ def align_pairs(
 def _align_kernel(
     ids_ptr, valid_ptr, sorted_pairs, block_expert, num_pairs, blocks,
     TOP_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
-    EXPERT_START: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+    EXPERT_START: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """`align_pairs` in one program: count pairs per expert, lay the padded runs out, then place each
-    pair at its run's start plus its rank among the expert's pairs (token order), chunk by chunk.
-    Real slots and padding slots are disjoint sets, so no store overwrites another."""
+    """`align_pairs` in one program over all `PAIRS >= num_pairs` pairs at once. A histogram counts
+    each expert's pairs and lays the padded runs out; one sort of the keys `expert * PAIRS + pair`
+    (left-out pairs after every expert) groups the pairs by expert in token order, so the pair at
+    sorted position i goes to its run's start plus i minus its expert's first sorted position. The
+    first slot of every used block holds a pair, which names the block's expert. Real slots and
+    padding slots are disjoint sets, so no store overwrites another."""
     pdl_enter(USE_PDL)
-    experts = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        p = p0 + tl.arange(0, CHUNK)
-        e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID, EXPERT_START, E)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    p = tl.arange(0, PAIRS)
+    e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID, EXPERT_START, E)
+    counts = tl.histogram(e, E_PAD, mask=e >= 0)  # [E_PAD]; experts >= E count nothing
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)  # [E_PAD] padded end of each run; runs of experts >= E are empty
+    ends = tl.cumsum(padded, axis=0)  # [E_PAD] padded end of each run
     starts = ends - padded
-    # Padding: each run's tail [start + count, end), then every slot after the last run.
+    first = tl.cumsum(counts, axis=0) - counts  # [E_PAD] each expert's first position in sorted order
+    key = tl.sort(tl.where(e >= 0, e, E_PAD) * PAIRS + p)
+    se, sp = key // PAIRS, key % PAIRS  # expert and pair at each sorted position
+    placed = se < E_PAD
+    dest = p + tl.gather(starts - first, tl.where(placed, se, 0), 0)
+    tl.store(sorted_pairs + dest, sp, mask=placed)
+    tl.store(block_expert + dest // BLOCK_M, se, mask=placed & (dest % BLOCK_M == 0))
+    # Padding: each run's tail [start + count, end), then every slot (and block) after the last run.
     tail = starts[:, None] + counts[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [E_PAD, BLOCK_M]
     tl.store(sorted_pairs + tail, tl.full([E_PAD, BLOCK_M], 0, tl.int32) + num_pairs,
              mask=tail < ends[:, None])
-    total = tl.max(ends, axis=0)
-    for s0 in range(0, blocks * BLOCK_M, CHUNK):
+    total = tl.sum(padded, axis=0)
+    for s0 in range(total, blocks * BLOCK_M, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
-        tl.store(sorted_pairs + s, tl.full([CHUNK], 0, tl.int32) + num_pairs,
-                 mask=(s >= total) & (s < blocks * BLOCK_M))
-    # A block's expert: the first run ending after the block's start (none: the block is unused).
-    for b0 in range(0, blocks, CHUNK):
+        tl.store(sorted_pairs + s, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=s < blocks * BLOCK_M)
+    for b0 in range(total // BLOCK_M, blocks, CHUNK):
         b = b0 + tl.arange(0, CHUNK)
-        be = tl.sum((ends[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(block_expert + b, tl.where(be < E, be, -1), mask=b < blocks)
-    seen = tl.zeros([E_PAD], dtype=tl.int32)  # pairs of each expert placed by earlier chunks
-    for p0 in range(0, num_pairs, CHUNK):
-        p = p0 + tl.arange(0, CHUNK)
-        e = _pair_expert(ids_ptr, valid_ptr, p, num_pairs, TOP_K, HAS_VALID, EXPERT_START, E)
-        hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD] one-hot (none: invalid)
-        before = tl.cumsum(hit, axis=0) - hit  # this expert's pairs earlier in the chunk
-        dest = tl.sum(hit * (starts + seen)[None, :] + hit * before, axis=1)
-        tl.store(sorted_pairs + dest, p, mask=e >= 0)
-        seen += tl.sum(hit, axis=0)
+        tl.store(block_expert + b, tl.full([CHUNK], -1, tl.int32), mask=b < blocks)
 
 
 @triton.jit
