@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Named GPU runs (Gemma 4, serving, deterministic mode, defaults...), from the repo root: `bash scripts/gpu_suite.sh step ...`.
 # Steps: kernels (MoE + attention kernel tests, natively), parity (6-layer 26B-A4B shape vs HF), decode
-# (bs 1/16/64 x ctx 1k/8k vs the active-expert roofline), serve (200 requests @ 128 through `swaserve
+# (bs 1/16/64 x ctx 1k/8k vs the active-expert roofline), moe_align (the MoE pair sort alone), all_reduce
+# (one-shot / two-shot / NCCL on 2 and 4 GPUs), serve (200 requests @ 128 through `swaserve
 # serve` on a random-weight 26B-A4B directory), capacity (hybrid vs one pool); for issue 21:
 # served_vs_offline (its 256-request set on a random Gemma-3-1B), svo_poisson (the set as Poisson arrivals,
 # SVO_RATE req/s; svo_poisson_512 with 512-token prefill chunks) and stress_1b (200 @ 128); for issue 20:
@@ -110,6 +111,10 @@ for step in "${steps[@]}"; do
                 --contexts 1024,8192 --steps 32 --warmup 4 ;;
         moe_bench)
             run moe_bench 90 python3 benchmarks/moe_kernel.py ;;
+        moe_align)  # the MoE pair sort alone (align_pairs in a graph) at 1-256 tokens over 128 and 256 experts
+            run moe_align 90 python3 benchmarks/moe_kernel.py --align-only ;;
+        all_reduce)  # issue 36: one-shot vs two-shot vs NCCL (bits and us per call) on 2 and 4 GPUs
+            run all_reduce 150 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_one_shot_gpu.py ;;
         fp8)  # issue 37: block-FP8 kernels natively (interpreter tests + real shapes), then the GEMM/MoE benchmark
             SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_kernels 200 python3 -m pytest -q -p no:cacheprovider \
                 tests/kernels/test_fp8_gemm.py
