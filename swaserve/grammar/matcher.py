@@ -17,26 +17,28 @@ class SequenceGrammar:
     Invariant: the matcher has accepted exactly the sequence's output tokens the host has seen, in order
     (a sampled token always obeys the mask it was drawn under, so it is always accepted; a sequence
     retracted and recomputed keeps its tokens and so its state). `terminated` once it accepted a stop
-    token: the output is complete."""
+    token: the output is complete. That is the matcher's `is_terminated()`, kept here so that the step
+    loop asks xgrammar once per token, not three times."""
 
-    __slots__ = ("matcher", "rejected")
+    __slots__ = ("matcher", "rejected", "stops", "terminated")
 
     def __init__(self, compiled: Any, stop_ids: Sequence[int]):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids) or None)
+        self.stops = frozenset(self.matcher.stop_token_ids)  # (the compiled grammar's when stop_ids is empty)
+        self.terminated = False
         self.rejected = 0  # tokens the grammar refused (only a token forced past the mask could be one)
 
     def accept(self, token: int) -> bool:
-        if self.matcher.is_terminated():
+        if self.terminated:
             return False
-        ok = bool(self.matcher.accept_token(token))
-        self.rejected += not ok
-        return ok
-
-    @property
-    def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        if self.matcher.accept_token(token):
+            # A stop token is accepted only where the grammar may end, and ends it.
+            self.terminated = token in self.stops
+            return True
+        self.rejected += 1
+        return False
 
 
 class MaskRows:
@@ -72,7 +74,7 @@ def fill_token_masks(grammars: Sequence[SequenceGrammar | None], vocab_size: int
     finished one: a sequence that ended while its next step was already launched) allow every token.
     None when no row has a live grammar (the batch samples unconstrained)."""
     global _BATCH
-    live = [i for i, g in enumerate(grammars) if g is not None and not g.matcher.is_terminated()]
+    live = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
     if not live:
         return None
     import xgrammar as xgr

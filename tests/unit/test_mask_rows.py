@@ -1,6 +1,7 @@
 """`fill_token_masks` into a reused `MaskRows` buffer: the same host storage every step, each live row
 exactly the mask a fresh fill gives, and every row without a live grammar (none, or terminated) all
-ones again even where the buffer held another step's mask."""
+ones again even where the buffer held another step's mask; `SequenceGrammar.terminated` is the matcher's own
+`is_terminated()`."""
 
 from __future__ import annotations
 
@@ -40,3 +41,14 @@ def test_reused_rows_equal_fresh_fills(compiled):
     assert torch.equal(again, fresh)
     assert (again[0] == -1).all() and (again[2] == -1).all()  # no grammar; a finished one
     assert fill_token_masks([None, g[1]], len(VOCAB), rows) is None  # no live grammar: unconstrained
+
+
+def test_terminated_is_the_matchers_own(compiled):
+    """The flag kept beside the matcher agrees with xgrammar after every token, refused ones included
+    (a stop token before the grammar may end is refused and ends nothing)."""
+    g = SequenceGrammar(compiled, [0])
+    for tok in (0, 1, 6, 2, 0, 5, 3, 0, 0, 1):
+        ok = g.accept(tok)
+        assert g.terminated == g.matcher.is_terminated(), tok
+        assert ok or tok in (0, 6, 3, 1)
+    assert g.terminated and g.rejected == 4  # 0 and 6 refused, 3 after "c" refused, then ended
