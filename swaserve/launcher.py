@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swaserve.grammar import MaskRows, fill_token_masks
+from swaserve.grammar import MaskRows, TokenMasks, fill_token_masks
 from swaserve.h2d import to_device
 from swaserve.prompt_scores import PromptScores, plan_prompt
 from swaserve.runner.sampler import Sampler, SamplerOutput
@@ -170,7 +170,7 @@ class StepLauncher:
             masks = fill_token_masks([None if r.finished else r.grammar for r in reqs], self.vocab_size,
                                      self._mask_rows)
             self.mask_fill_seconds += time.perf_counter() - start
-            self.masked_rows += sum(r.grammar is not None and not r.finished for r in reqs)
+            self.masked_rows += len(masks.rows) if masks is not None else 0
         greedy = is_plain_greedy(distinct)
         if masks is None and greedy:  # the common case: no logits, no per-row host work
             return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
@@ -187,10 +187,12 @@ class StepLauncher:
             out = self.sampler(self.runner.logits(hidden) if masks is None else self._masked_logits(hidden, masks), sb)
         return out, ([p.logprobs for p in params] if sb.max_num_logprobs is not None else None)
 
-    def _masked_logits(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        """The rows' logits with every token their grammar disallows at -inf."""
+    def _masked_logits(self, hidden: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+        """The rows' logits with every token their grammar disallows at -inf: only the constrained rows'
+        masks cross to the device and are applied."""
         logits = self.runner.logits(hidden)
-        apply_token_bitmask(logits, to_device(masks, self.device))
+        rows = None if masks.every_row else to_device(torch.tensor(masks.rows), self.device)
+        apply_token_bitmask(logits, to_device(masks.masks, self.device), rows)
         self._mask_rows.copied()  # type: ignore[union-attr]
         return logits
 
