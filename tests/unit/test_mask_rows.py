@@ -1,6 +1,6 @@
 """A step's masks (`grammar/masks.py`): only rows with a live grammar get one (`TokenMasks.rows`), filled into
-a reused `MaskRows` buffer (the same host storage every step, each row exactly the mask a fresh fill gives);
-`SequenceGrammar.terminated` is the matcher's own `is_terminated()`."""
+reused `MaskRows` buffers (two host buffers in turn, each row exactly the mask a fresh fill gives),
+on the worker thread as inline; `SequenceGrammar.terminated` is the matcher's own `is_terminated()`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from swaserve.grammar.masks import MaskRows, fill_threads, fill_token_masks
+from swaserve.grammar.masks import MaskRows, fill_threads, fill_token_masks, start_fill
 from swaserve.grammar.matcher import SequenceGrammar
 from swaserve.runner.token_mask import allowed_tokens
 
@@ -42,9 +42,11 @@ def test_masks_of_live_rows_only_in_a_reused_buffer(compiled):
     g[0].accept(3)  # "ab": now "c" may end it
     again = fill_token_masks([None, g[0], g[1], g[2]], len(VOCAB), rows)
     assert again is not None and again.rows == [1, 3], "no mask for no grammar, nor for a finished one"
-    assert again.masks.untyped_storage().data_ptr() == storage, "the buffer is reused"
+    assert again.masks.untyped_storage().data_ptr() != storage, "the other buffer: the first may still be copied"
+    third = fill_token_masks([None, g[0], g[1], g[2]], len(VOCAB), rows)
+    assert third is not None and third.masks.untyped_storage().data_ptr() == storage, "the buffers are reused"
     fresh = fill_token_masks([None, g[0], g[1], g[2]], len(VOCAB))
-    assert fresh is not None and torch.equal(again.masks, fresh.masks)
+    assert fresh is not None and torch.equal(again.masks, fresh.masks) and torch.equal(third.masks, fresh.masks)
     assert allowed(again.masks, 0) == {1, 2, 3, 4, 5} and allowed(again.masks, 1) == {1, 2, 3, 4}
     assert fill_token_masks([None, g[1]], len(VOCAB), rows) is None  # no live grammar: unconstrained
     every = fill_token_masks([g[0], g[2]], len(VOCAB))
@@ -60,6 +62,20 @@ def test_terminated_is_the_matchers_own(compiled):
         assert g.terminated == g.matcher.is_terminated(), tok
         assert ok or tok in (0, 6, 3, 1)
     assert g.terminated and g.rejected == 4  # 0 and 6 refused, 3 after "c" refused, then ended
+
+
+def test_background_fill_equals_inline(compiled):
+    g = [SequenceGrammar(compiled, [0]) for _ in range(40)]
+    for i, s in enumerate(g):
+        for tok in ([1] * (i % 3) + [5] * (i % 2 and i % 3 > 0)):
+            s.accept(tok)
+    words = (len(VOCAB) + 31) // 32
+    inline = fill_token_masks(g, len(VOCAB), MaskRows(words))
+    job = start_fill(g, len(VOCAB), MaskRows(words), background=True)
+    assert inline is not None and job is not None
+    got = job.result()
+    assert got.rows == inline.rows and torch.equal(got.masks, inline.masks)
+    assert job.fill_seconds > 0
 
 
 def test_fill_threads():
