@@ -8,6 +8,8 @@ schema's compile time cold (first compile; xgrammar's vocabulary table reported 
 
     python benchmarks/structured_outputs.py [--shape 1b] [--num-requests 256] [--output-len 256]
     python benchmarks/structured_outputs.py --smoke     # tiny CPU run (CI)
+    python benchmarks/structured_outputs.py --host-only [--num-requests 256]   # no model: accept + fill
+                                                        # per row on this host (grammar_host.py)
 """
 
 from __future__ import annotations
@@ -35,7 +37,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=4, input_len=12, output_len=6))
+    ap.add_argument("--host-only", action="store_true", help="no model: the host's accept and mask fill per row")
+    ap.add_argument("--steps", type=int, default=16, help="--host-only: steps timed per round")
+    ap.add_argument("--rounds", type=int, default=3, help="--host-only: rounds (the best is reported)")
+    a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=4, input_len=12, output_len=6, steps=2, rounds=1))
+    if a.host_only:
+        from grammar_host import host_only, report
+
+        report(host_only(SCHEMA, a.num_requests, a.steps, a.rounds, a.seed))
+        return
     from swaserve.engine import Engine
     from swaserve.request import SamplingParams
     from swaserve.structured_outputs import StructuredOutputs

@@ -225,6 +225,10 @@ class Engine:
         """Schedule and launch the next step; the launched step whose results are due now (with
         overlap the previous one, so the host schedules step N+1 while the device runs step N)."""
         batch = self.scheduler.schedule()
+        if self._inflight is not None and self._inflight.deferred is not None:
+            # Overlap with constrained rows: the step in flight samples now, before the next model launch
+            # (which reads its tokens); its masks filled while this batch was scheduled (`_commit`).
+            self.launcher.sample_deferred(self._inflight)
         launched = self.launcher.launch(batch) if batch is not None else None
         self.last_step = (batch.kind, len(batch.reqs), batch.num_tokens) if batch is not None else None
         if self.overlap:
@@ -262,9 +266,9 @@ class Engine:
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
         self.stats.retractions_total = self.scheduler.retractions_total
         if self._inflight is not None and self._inflight.deferred is not None:
-            # Overlap with constrained rows: the next step's model is running; its masks need the
-            # tokens just committed, so it samples now.
-            self.launcher.sample_deferred(self._inflight)
+            # Overlap with constrained rows: the next step's model is running; its masks needed the
+            # tokens just committed. They fill on a worker thread from now until it samples (`_advance`).
+            self.launcher.prepare_deferred(self._inflight)
         for r in progressed:
             if r.finish_reason is not None and r.detok is not None and not r.detok.stopped:
                 r.detok.flush()
@@ -304,6 +308,7 @@ class Engine:
                 "spec_accepted_tokens_total": spec.accepted_total if spec is not None else 0,
                 "prompt_logprob_tokens_total": self.launcher.prompt_tokens_scored,
                 "grammar_mask_fill_ms_total": int(self.launcher.mask_fill_seconds * 1000),
+                "grammar_mask_wait_ms_total": int(self.launcher.mask_wait_seconds * 1000),
                 "grammar_masked_rows_total": self.launcher.masked_rows,
                 **(self.grammars.counters() if self.grammars is not None else GrammarCompiler.idle_counters())}
 

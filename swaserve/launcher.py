@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swaserve.grammar import MaskRows, fill_token_masks
+from swaserve.grammar import MaskJob, MaskRows, TokenMasks, start_fill
 from swaserve.h2d import to_device
 from swaserve.prompt_scores import PromptScores, plan_prompt
 from swaserve.runner.sampler import Sampler, SamplerOutput
@@ -28,11 +28,24 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class SamplePlan:
+    """What sampling a step's rows needs from the host, taken when the step's inputs are all known (for a
+    deferred step: once the step before it committed, before the next one is scheduled); `masks` may
+    still be filling."""
+
+    params: list
+    greedy: bool  # every row plain greedy
+    sb: SamplingBatch | None  # None where greedy
+    masks: MaskJob | None  # None: no row has a live grammar
+
+
+@dataclass
 class LaunchedStep:
     """A step on its way through the device. `reqs` are the requests that sample, in the order of
     `batch.sample_indices()`; `out` holds host tensors that are valid once `ready` has fired.
     `deferred`: the model ran but sampling waits (hidden states, request rows) until the host has seen
-    the tokens a constrained row's mask depends on (`StepLauncher.sample_deferred`)."""
+    the tokens a constrained row's mask depends on (`StepLauncher.sample_deferred`); `plan`: its sampling
+    prepared since (`StepLauncher.prepare_deferred`), masks filling."""
 
     batch: ScheduleBatch
     reqs: list[Req]
@@ -41,6 +54,7 @@ class LaunchedStep:
     ready: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
     prompt: PromptScores | None = None  # prompt logprobs scored in this step (record after `wait`)
     deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, hidden], [n] int64 rows), device
+    plan: SamplePlan | None = None
     head_greedy: bool | None = None  # the LM-head path sampling was announced to take (`StepLauncher.head_greedy`)
 
     def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
@@ -76,7 +90,8 @@ class StepLauncher:
         # plugged in by whoever turns speculation on: the launcher imports no speculative code.
         self.verify = verify
         self.prompt_tokens_scored = 0  # prompt positions whose logprobs were computed (the LM head's extra rows)
-        self.mask_fill_seconds = 0.0  # host time filling structured outputs' token masks
+        self.mask_fill_seconds = 0.0  # host time filling structured outputs' token masks (a worker's, mostly)
+        self.mask_wait_seconds = 0.0  # time the step loop waited for masks to be filled
         self.masked_rows = 0  # rows sampled under a grammar's mask
         self._mask_rows: MaskRows | None = None  # the host buffer masks are filled into (made on first use)
 
@@ -114,12 +129,20 @@ class StepLauncher:
             self.sample_deferred(step)
         return step
 
+    def prepare_deferred(self, step: LaunchedStep) -> None:
+        """A deferred step's tokens before it are all committed: take what its sampling needs from the
+        host and start filling its masks on the worker thread (the step loop goes on: it schedules the
+        next step while they fill and the device runs this step's model)."""
+        assert step.deferred is not None and step.plan is None
+        step.plan = self._prepare(step.reqs, step.deferred[1], background=True)
+
     def sample_deferred(self, step: LaunchedStep) -> None:
-        """Sample a launched step's rows (the masks of constrained rows computed now, on the host, while
+        """Sample a launched step's rows (under the masks of constrained rows, filled on the host while
         the device runs the model), record the tokens and start their copy to the host."""
         assert step.deferred is not None
         (hidden, rows), step.deferred = step.deferred, None
-        out, step.asked = self.sample(hidden, step.reqs, rows, step.head_greedy)
+        plan, step.plan = step.plan or self._prepare(step.reqs, rows, background=False), None
+        out, step.asked = self._finish(hidden, plan, step.head_greedy)
         if self.lead is not None:
             self.lead.share(out.next_token_ids)
         self.runner.record_sampled(rows, out.next_token_ids)
@@ -173,27 +196,42 @@ class StepLauncher:
         `head_greedy`: the path announced to the tensor-parallel ranks (`head_greedy`), which must be
         the one taken: False keeps greedy rows on the logits (None: the greedy path may be taken,
         except under tensor parallelism, where the ranks were told to gather logits)."""
+        return self._finish(hidden, self._prepare(reqs, rows, background=False), head_greedy)
+
+    def _prepare(self, reqs: list[Req], rows: torch.Tensor, background: bool) -> SamplePlan:
+        """The host's part of `sample`, which reads the requests' state as it is now. Structured outputs:
+        the allowed-token bitmasks of the rows with a live grammar start filling (inline, or on the worker
+        thread with `background`)."""
         params = [r.params for r in reqs]
         distinct = distinct_params(params)
-        # Structured outputs: allowed-token bitmasks of the constrained rows (None: no row is). Rows
-        # with masks need the logits, so they skip the LM head's own greedy/sampling kernels.
         masks = None
         if any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
-            start = time.perf_counter()
             if self._mask_rows is None:
                 self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
-            masks = fill_token_masks([None if r.finished else r.grammar for r in reqs], self.vocab_size,
-                                     self._mask_rows)
-            self.mask_fill_seconds += time.perf_counter() - start
-            self.masked_rows += sum(r.grammar is not None and not r.finished for r in reqs)
+            masks = start_fill([None if r.finished else r.grammar for r in reqs], self.vocab_size, self._mask_rows,
+                               background)
         greedy = is_plain_greedy(distinct)
+        return SamplePlan(params, greedy, None if greedy else self._sampling_batch(reqs, params, distinct, rows), masks)
+
+    def _finish(self, hidden: torch.Tensor, plan: SamplePlan,
+                head_greedy: bool | None = None) -> tuple[SamplerOutput, list | None]:
+        """The device's part of `sample`. Rows with masks need the logits, so they skip the LM head's own
+        greedy/sampling kernels (`head_greedy`: see `sample`)."""
+        masks = None
+        if plan.masks is not None:
+            start = time.perf_counter()
+            masks = plan.masks.result()
+            self.mask_wait_seconds += time.perf_counter() - start
+            self.mask_fill_seconds += plan.masks.fill_seconds
+            self.masked_rows += len(masks.rows)
         fast = head_greedy if head_greedy is not None else self.lead is None
-        if masks is None and greedy and fast:  # the common case: no logits, no per-row host work
+        if masks is None and plan.greedy and fast:  # the common case: no logits, no per-row host work
             return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
-        if greedy:  # constrained, plain greedy: the masked logits' argmax (what the Sampler would take)
+        if plan.greedy:  # constrained, plain greedy: the masked logits' argmax (what the Sampler would take)
             logits = self.runner.logits(hidden) if masks is None else self._masked_logits(hidden, masks)
             return SamplerOutput(logits.argmax(dim=-1), None, None, None), None
-        sb = self._sampling_batch(reqs, params, distinct, rows)
+        sb = plan.sb
+        assert sb is not None
         # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
         # goes through the Sampler, so a row's path does not depend on its neighbours' settings;
         # nor under tensor parallelism, where the head's logits are gathered first).
@@ -202,12 +240,14 @@ class StepLauncher:
             out = SamplerOutput(self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds), None, None, None)
         else:
             out = self.sampler(self.runner.logits(hidden) if masks is None else self._masked_logits(hidden, masks), sb)
-        return out, ([p.logprobs for p in params] if sb.max_num_logprobs is not None else None)
+        return out, ([p.logprobs for p in plan.params] if sb.max_num_logprobs is not None else None)
 
-    def _masked_logits(self, hidden: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        """The rows' logits with every token their grammar disallows at -inf."""
+    def _masked_logits(self, hidden: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+        """The rows' logits with every token their grammar disallows at -inf: only the constrained rows'
+        masks cross to the device and are applied."""
         logits = self.runner.logits(hidden)
-        apply_token_bitmask(logits, to_device(masks, self.device))
+        rows = None if masks.every_row else to_device(torch.tensor(masks.rows), self.device)
+        apply_token_bitmask(logits, to_device(masks.masks, self.device), rows)
         self._mask_rows.copied()  # type: ignore[union-attr]
         return logits
 

@@ -43,7 +43,9 @@ _ENGINE_GAUGES = (
     ("grammar_vocab_build_ms", "swaserve_grammar_vocab_build_ms", "gauge",
      "Milliseconds the structured-outputs vocabulary table took to build (0 until built; once per core)."),
     ("grammar_mask_fill_ms_total", "swaserve_grammar_mask_fill_ms_total", "counter",
-     "Milliseconds the host spent filling structured outputs' allowed-token masks."),
+     "Milliseconds the host spent filling structured outputs' allowed-token masks (mostly beside the step loop)."),
+    ("grammar_mask_wait_ms_total", "swaserve_grammar_mask_wait_ms_total", "counter",
+     "Milliseconds the step loop waited for structured outputs' masks to be filled."),
     ("grammar_masked_rows_total", "swaserve_grammar_masked_rows_total", "counter",
      "Rows sampled under a structured-output mask."),
 )

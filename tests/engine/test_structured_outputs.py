@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 from test_overlap import run_all, twin_engine
@@ -96,6 +97,42 @@ def test_same_tokens_with_overlap_and_in_deterministic_mode(llm):
         other = run_all(twin_engine(llm, **options), short_workload())
         for rid, out in plain.items():
             assert [c.token_ids for c in other[rid].outputs] == [c.token_ids for c in out.outputs], (rid, options)
+
+
+def test_overlap_fills_masks_on_the_worker_beside_the_next_schedule(llm, monkeypatch):
+    """Overlap: a deferred step's masks start filling on the worker thread once the step before it has
+    committed (its sampling inputs taken then), the next batch is scheduled while they fill, and the step
+    samples before the next launch. Greedy, seeded and penalised constrained rows beside a free one still
+    get the plain engine's tokens."""
+    from swaserve.grammar.masks import MaskJob
+
+    work = short_workload() + [("regex-pen", "Email:", SamplingParams(
+        temperature=0.8, seed=2, max_tokens=14, frequency_penalty=0.5, presence_penalty=0.3,
+        structured_outputs={"regex": r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)"}))]
+    plain = run_all(twin_engine(llm, False), work)
+    e = twin_engine(llm, True)
+    events: list[str] = []
+    threads: set[str] = set()
+
+    def spy(name, real):
+        return lambda *a, **k: events.append(name) or real(*a, **k)
+
+    monkeypatch.setattr(e.scheduler, "schedule", spy("schedule", e.scheduler.schedule))
+    monkeypatch.setattr(e.launcher, "prepare_deferred", spy("prepare", e.launcher.prepare_deferred))
+    sample = e.launcher.sample_deferred  # (launch samples a step that need not wait through it too)
+    monkeypatch.setattr(e.launcher, "sample_deferred",
+                        lambda step: events.append("sample" if step.plan is not None else "now") or sample(step))
+    run = MaskJob.run
+    monkeypatch.setattr(MaskJob, "run", lambda job: threads.add(threading.current_thread().name) or run(job))
+    got = run_all(e, work)
+    for rid, out in plain.items():
+        assert [c.token_ids for c in got[rid].outputs] == [c.token_ids for c in out.outputs], rid
+    assert "swaserve-grammar-masks" in threads
+    deferred = [i for i, ev in enumerate(events) if ev == "prepare"]
+    assert len(deferred) > 3 and events.count("sample") == len(deferred)
+    assert all(events[i : i + 3] == ["prepare", "schedule", "sample"] for i in deferred), events
+    counters = e.counters()
+    assert counters["grammar_masked_rows_total"] > 0 and counters["grammar_mask_wait_ms_total"] >= 0
 
 
 # -- with the other request options (logit_bias, prompt logprobs, speculative decoding) ------------------

@@ -1,8 +1,8 @@
 """Structured-output masks on decode steps replayed from captured graphs (CPU: torch.compile, eager
-backend): a live batch of 3 rows runs padded to 4; the masks cover the 3 live rows only (applied to the
-logits after the replay), constrained rows only ever take allowed tokens, an unconstrained row in the same
-batch is untouched, every token equals the eager engine's, and the padded row stays inert (row 0 of the
-last-token table is never written)."""
+backend): a live batch of 3 rows runs padded to 4; masks exist for the 2 constrained live rows only
+(applied to their logits after the replay), constrained rows only ever take allowed tokens, the
+unconstrained row in the same batch is untouched, every token equals the eager engine's, and the padded
+row stays inert (row 0 of the last-token table is never written)."""
 
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ def test_masks_on_padded_graph_decode(tmp_path, monkeypatch):
     shapes: list[tuple[int, int]] = []
     real = launcher_mod.apply_token_bitmask
 
-    def spy(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        shapes.append((logits.shape[0], masks.shape[0]))
-        return real(logits, masks)
+    def spy(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        shapes.append((logits.shape[0], masks.shape[0], rows.tolist() if rows is not None else None))
+        return real(logits, masks, rows)
 
     monkeypatch.setattr(launcher_mod, "apply_token_bitmask", spy)
     replays: list[int] = []
@@ -76,5 +76,7 @@ def test_masks_on_padded_graph_decode(tmp_path, monkeypatch):
         out = got_graph[rid]
         assert out[-1] == STOP and 2 <= len(out) - 1 <= 6 and set(out[:-1]) <= allowed, (rid, out)
     assert not set(got_graph["free"]) <= allowed | {STOP}  # the unconstrained row samples from the whole vocab
-    assert (3, 3) in shapes and all(n_logits == n_masks <= 3 for n_logits, n_masks in shapes)
+    # c1, free, c2 decode together: the masks of rows 0 and 2 only; alone, c1 and c2 mask every row.
+    assert (3, 2, [0, 2]) in shapes
+    assert all(n_logits <= 3 and (rows is None) == (n_masks == n_logits) for n_logits, n_masks, rows in shapes)
     assert graph.runner.graph_runner is not None and 4 in graph.runner.graph_runner.sizes

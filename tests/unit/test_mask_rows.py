@@ -1,6 +1,6 @@
-"""`fill_token_masks` into a reused `MaskRows` buffer: the same host storage every step, each live row
-exactly the mask a fresh fill gives, and every row without a live grammar (none, or terminated) all
-ones again even where the buffer held another step's mask."""
+"""A step's masks (`grammar/masks.py`): only rows with a live grammar get one (`TokenMasks.rows`), filled into
+reused `MaskRows` buffers (two host buffers in turn, each row exactly the mask a fresh fill gives),
+on the worker thread as inline; `SequenceGrammar.terminated` is the matcher's own `is_terminated()`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from swaserve.grammar.matcher import MaskRows, SequenceGrammar, fill_token_masks  # noqa: E402
+from swaserve.grammar.masks import MaskRows, fill_threads, fill_token_masks, start_fill
+from swaserve.grammar.matcher import SequenceGrammar
+from swaserve.runner.token_mask import allowed_tokens
 
 VOCAB = ["<eos>", "a", "b", "ab", "ba", "c", "x", "y"] + [f"t{i}" for i in range(40)]  # 48 tokens: 2 words
 
@@ -20,23 +22,62 @@ def compiled():
     return xgr.GrammarCompiler(info).compile_grammar('root ::= ("a" | "b")+ "c"')
 
 
-def test_reused_rows_equal_fresh_fills(compiled):
+def allowed(masks: torch.Tensor, j: int) -> set[int]:
+    return set(allowed_tokens(masks[j : j + 1], len(VOCAB))[0].nonzero().flatten().tolist())
+
+
+def test_masks_of_live_rows_only_in_a_reused_buffer(compiled):
     rows = MaskRows((len(VOCAB) + 31) // 32)
     g = [SequenceGrammar(compiled, [0]) for _ in range(3)]
     first = fill_token_masks([g[0], None, g[1]], len(VOCAB), rows)
-    assert first is not None and first.shape == (3, 2)
-    assert (first[1] == -1).all()  # no grammar: every token
-    allowed = {t for t in range(len(VOCAB)) if int(first[0, t // 32]) >> (t % 32) & 1}
-    assert allowed == {1, 2, 3, 4}  # a, b, ab, ba
-    storage = first.untyped_storage().data_ptr()
+    assert first is not None and first.masks.shape == (2, 2) and first.rows == [0, 2] and first.n == 3
+    assert not first.every_row
+    assert allowed(first.masks, 0) == allowed(first.masks, 1) == {1, 2, 3, 4}  # a, b, ab, ba
+    storage = first.masks.untyped_storage().data_ptr()
 
     for tok in (1, 5, 0):  # g[1]: "a", "c", then the stop token: terminated
         assert g[1].accept(tok)
     assert g[1].terminated
+    assert not g[1].accept(1)  # nothing after the end
     g[0].accept(3)  # "ab": now "c" may end it
     again = fill_token_masks([None, g[0], g[1], g[2]], len(VOCAB), rows)
-    assert again.untyped_storage().data_ptr() == storage, "the buffer is reused"
+    assert again is not None and again.rows == [1, 3], "no mask for no grammar, nor for a finished one"
+    assert again.masks.untyped_storage().data_ptr() != storage, "the other buffer: the first may still be copied"
+    third = fill_token_masks([None, g[0], g[1], g[2]], len(VOCAB), rows)
+    assert third is not None and third.masks.untyped_storage().data_ptr() == storage, "the buffers are reused"
     fresh = fill_token_masks([None, g[0], g[1], g[2]], len(VOCAB))
-    assert torch.equal(again, fresh)
-    assert (again[0] == -1).all() and (again[2] == -1).all()  # no grammar; a finished one
+    assert fresh is not None and torch.equal(again.masks, fresh.masks) and torch.equal(third.masks, fresh.masks)
+    assert allowed(again.masks, 0) == {1, 2, 3, 4, 5} and allowed(again.masks, 1) == {1, 2, 3, 4}
     assert fill_token_masks([None, g[1]], len(VOCAB), rows) is None  # no live grammar: unconstrained
+    every = fill_token_masks([g[0], g[2]], len(VOCAB))
+    assert every is not None and every.every_row
+
+
+def test_terminated_is_the_matchers_own(compiled):
+    """The flag kept beside the matcher agrees with xgrammar after every token, refused ones included
+    (a stop token before the grammar may end is refused and ends nothing)."""
+    g = SequenceGrammar(compiled, [0])
+    for tok in (0, 1, 6, 2, 0, 5, 3, 0, 0, 1):
+        ok = g.accept(tok)
+        assert g.terminated == g.matcher.is_terminated(), tok
+        assert ok or tok in (0, 6, 3, 1)
+    assert g.terminated and g.rejected == 4  # 0 and 6 refused, 3 after "c" refused, then ended
+
+
+def test_background_fill_equals_inline(compiled):
+    g = [SequenceGrammar(compiled, [0]) for _ in range(40)]
+    for i, s in enumerate(g):
+        for tok in ([1] * (i % 3) + [5] * (i % 2 and i % 3 > 0)):
+            s.accept(tok)
+    words = (len(VOCAB) + 31) // 32
+    inline = fill_token_masks(g, len(VOCAB), MaskRows(words))
+    job = start_fill(g, len(VOCAB), MaskRows(words), background=True)
+    assert inline is not None and job is not None
+    got = job.result()
+    assert got.rows == inline.rows and torch.equal(got.masks, inline.masks)
+    assert job.fill_seconds > 0
+
+
+def test_fill_threads():
+    assert fill_threads(1) == 1 and fill_threads(32) == 1  # a pool per call: not worth it for few rows
+    assert 1 <= fill_threads(256) <= 8

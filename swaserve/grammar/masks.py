@@ -1,0 +1,180 @@
+"""A step's allowed-token bitmasks on the host, for its constrained rows only: filled by xgrammar's batch
+matcher (its own threads), either inline or on a worker thread beside the step loop (`start_fill`), into
+one reused host buffer (`MaskRows`)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swaserve.grammar.matcher import SequenceGrammar
+
+# xgrammar builds a thread pool for every batch fill; give each thread at least this many rows.
+_ROWS_PER_THREAD = 32
+_MAX_THREADS = 8
+
+
+def fill_threads(rows: int) -> int:
+    """xgrammar threads for filling `rows` masks: half the CPUs this process may run on (xgrammar's "auto"
+    counts the whole machine's), at most 8, and one per 32 rows (its pool is made anew every call)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_THREADS, cpus // 2, -(-rows // _ROWS_PER_THREAD)))
+
+
+# xgrammar BatchGrammarMatcher by thread count, per calling thread: one with threads keeps its pool in
+# itself during a call, so two threads must not share one.
+_BATCHES = threading.local()
+
+
+def _batch(threads: int) -> Any:
+    mine: dict[int, Any] = _BATCHES.__dict__.setdefault("by_threads", {})
+    b = mine.get(threads)
+    if b is None:
+        import xgrammar as xgr
+
+        b = mine[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+    return b
+
+
+class MaskRows:
+    """The host buffers a step's bitmask rows are filled into: two, used in turn from step to step (pinned
+    where CUDA is available), instead of a fresh pinned `[rows, words]` tensor allocated and cleared every
+    step (8 MB at 256 rows of a 262k vocabulary). `rows(n)` hands out the one not handed out last, once the
+    copy that read it has completed: done in practice, since the step it served has committed since (with
+    one buffer, a step that fills inline right after a deferred one samples would wait for that step's
+    model to finish before its own copy could overwrite the buffer)."""
+
+    def __init__(self, words: int):
+        self.words = words
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.read: list[Any] = [None, None]  # torch.cuda.Event recorded after the last copy from each buffer
+        self.turn = 1  # the buffer handed out last
+
+    def rows(self, n: int) -> torch.Tensor:
+        self.turn ^= 1
+        i = self.turn
+        if self.read[i] is not None:
+            self.read[i].synchronize()
+            self.read[i] = None
+        buf = self.bufs[i]
+        if buf is None or buf.shape[0] < n:
+            buf = self.bufs[i] = torch.empty(max(n, 64), self.words, dtype=torch.int32,
+                                             pin_memory=torch.cuda.is_available())
+        return buf[:n]
+
+    def copied(self) -> None:
+        """The rows handed out last are being copied to the device on the current stream."""
+        buf = self.bufs[self.turn]
+        if torch.cuda.is_available() and buf is not None and buf.is_pinned():
+            self.read[self.turn] = torch.cuda.Event()
+            self.read[self.turn].record()
+
+
+@dataclass
+class TokenMasks:
+    """Bitmasks of a batch's rows with a live grammar: `masks[j]` has bit t % 32 of word t // 32 set where
+    token t may follow batch row `rows[j]`; the batch's other rows (`n` in all) are unconstrained."""
+
+    masks: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, host (MaskRows' buffer when given one)
+    rows: list[int]  # ascending positions in the batch
+    n: int
+
+    @property
+    def every_row(self) -> bool:
+        return len(self.rows) == self.n
+
+
+class MaskJob:
+    """One fill, on the worker thread or done inline. `result()` waits for it; `fill_seconds` is the time
+    xgrammar took (on whichever thread ran it)."""
+
+    __slots__ = ("done", "error", "fill_seconds", "masks", "matchers", "started")
+
+    def __init__(self, matchers: list[Any], masks: TokenMasks):
+        self.matchers = matchers
+        self.masks = masks
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.fill_seconds = 0.0
+
+    def run(self) -> None:
+        try:
+            batch = _batch(fill_threads(len(self.matchers)))
+            self.started.set()  # the submitter goes on once this thread is inside xgrammar (GIL released)
+            t0 = time.perf_counter()
+            batch.batch_fill_next_token_bitmask(self.matchers, self.masks.masks)
+            self.fill_seconds = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 (handed to whoever waits for the result)
+            self.error = e
+        finally:
+            self.started.set()
+            self.done.set()
+
+    def result(self) -> TokenMasks:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.masks
+
+
+class _Worker:
+    """One daemon thread that runs fill jobs in order, for every engine in the process (an engine waits
+    for its job before it starts the next)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[MaskJob] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="swaserve-grammar-masks", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.jobs.get().run()
+
+
+_WORKER: _Worker | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out: MaskRows | None = None,
+               background: bool = False) -> MaskJob | None:
+    """Fill the masks of `grammars`' live rows (None, or a terminated grammar: a sequence that ended while
+    its next step was already launched, samples unconstrained); None when no row has a live grammar.
+    `background`: on the worker thread, returning as soon as it has entered xgrammar, which runs without
+    the GIL, so the step loop's Python goes on beside it (a thread merely queued would wait for the GIL
+    until the loop next released it). The grammars must not advance until `result()` returned."""
+    live = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    if not live:
+        return None
+    words = (vocab_size + 31) // 32
+    if out is None:
+        out = MaskRows(words)
+    assert out.words == words, (out.words, words)
+    job = MaskJob([grammars[i].matcher for i in live],  # type: ignore[union-attr]
+                  TokenMasks(out.rows(len(live)), live, len(grammars)))
+    if not background:
+        job.run()
+        return job
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = _Worker()
+        _WORKER.jobs.put(job)
+    job.started.wait()
+    return job
+
+
+def fill_token_masks(grammars: Sequence[SequenceGrammar | None], vocab_size: int,
+                     out: MaskRows | None = None) -> TokenMasks | None:
+    """`start_fill` inline: the live rows' masks now."""
+    job = start_fill(grammars, vocab_size, out)
+    return job.result() if job is not None else None
