@@ -25,7 +25,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # Modules that are not scripts: what the scripts import (their code runs in the scripts' smoke runs).
-HELPERS = {"common.py", "grammar_host.py", "load_client.py", "probes.py", "ttft_breakdown.py"}
+HELPERS = {"common.py", "grammar_host.py", "load_client.py", "probes.py", "profiling.py", "ttft_breakdown.py"}
 
 # More smoke runs for scripts with more than one mode (each list: arguments after --smoke).
 MORE_RUNS = {
