@@ -133,6 +133,7 @@ class _Worker:
     for its job before it starts the next)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has the object but not the thread
         self.jobs: queue.SimpleQueue[MaskJob] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="swaserve-grammar-masks", daemon=True).start()
 
@@ -166,7 +167,7 @@ def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out:
         return job
     global _WORKER
     with _WORKER_LOCK:
-        if _WORKER is None:
+        if _WORKER is None or _WORKER.pid != os.getpid():
             _WORKER = _Worker()
         _WORKER.jobs.put(job)
     job.started.wait()
