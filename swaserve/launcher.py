@@ -106,9 +106,10 @@ class StepLauncher:
         inputs = batch.forward_inputs()
         idx = batch.sample_indices()
         # Which LM-head path sampling takes: under tensor parallelism the ranks join its collective,
-        # so it is fixed now and sent with the step.
-        head_greedy = self.head_greedy([batch.reqs[i] for i in idx])
+        # so it is fixed now and sent with the step (one rank: decided when sampling, no extra pass).
+        head_greedy = None
         if self.lead is not None:
+            head_greedy = self.head_greedy([batch.reqs[i] for i in idx])
             self.lead.send(inputs, idx, greedy=head_greedy)
         fb = inputs.build(self.device)
         hidden, prompt = self.forward_scoring(batch, fb)  # [bs, hidden]
