@@ -28,14 +28,17 @@ def interpret_mode() -> bool:
 
 def jit_per_batch(*names: str, aligned: tuple[str, ...] = ()):
     """`triton.jit` for a kernel whose integer arguments `names` change from batch to batch (row
-    counts, strides over rows): no specialisation on their value (== 1) or divisibility by 16, so
-    one compile serves every batch instead of a new one on the serving path.
+    counts, offsets): no specialisation on their value (== 1) or divisibility by 16, so one compile
+    serves every batch instead of a new one on the serving path.
 
-    `aligned`: arguments that are never specialised on their value but still are on divisibility by
-    16: strides over the rows of contiguous tensors, fixed by a layer's width whatever the batch. Without
-    that knowledge Triton cannot prove a row's start is 16-byte aligned and loads it element by element
-    (a block-FP8 GEMM ran at 12% of cuBLAS's TFLOP/s that way on an H200)."""
-    return triton.jit(do_not_specialize=names + aligned, do_not_specialize_on_alignment=names)
+    `aligned`: strides over the rows of contiguous tensors, fixed by a layer's width whatever the
+    batch. They keep Triton's specialisation (divisibility by 16, or == 1), which never changes
+    between batches, and it is what proves a row's start 16-byte aligned: Triton marks divisibility
+    only on arguments it also specialises by value, so a stride in `names` is loaded element by
+    element (a block-FP8 GEMM ran at 12% of cuBLAS's TFLOP/s that way on an H200). Listing them
+    here only documents that choice; they must not be in `names`."""
+    assert not set(names) & set(aligned), set(names) & set(aligned)
+    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)
 
 
 def compiled_variants() -> dict[str, int]:

@@ -40,7 +40,7 @@ REQUEST_PROGRAM_WAVES = 1.25
 PROGRAMS = ("block", "chunk", "request")
 
 
-@jit_per_batch("stride_qt", "stride_ot", "row0")
+@jit_per_batch("row0", aligned=("stride_qt", "stride_ot"))
 def _unified_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, slots, sinks,
     part_acc, part_ml, k_scale, v_scale, qk_scale, softcap, window, row0,

@@ -28,6 +28,7 @@ from triton.compiler import ASTSource
 activation = importlib.import_module("swaserve.kernels.activation")
 decode_attention = importlib.import_module("swaserve.kernels.decode_attention")
 extend_attention = importlib.import_module("swaserve.kernels.extend_attention")
+fp8_gemm = importlib.import_module("swaserve.kernels.fp8_gemm")
 norm = importlib.import_module("swaserve.kernels.norm")
 qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
@@ -40,6 +41,9 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
         torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
 _READ = re.compile(r"\b(ld\.global|cp\.async)")
 _WRITE = re.compile(r"\b(st\.global|atom\.global|red\.global)")
+# global loads narrower than 4 bytes: 1- and 2-byte elements read one at a time (a tile whose rows Triton
+# cannot prove 16-byte aligned), scalar `ld.global.b8/b16` or 1/2-byte asynchronous copies
+_NARROW_READ = re.compile(r"\bld\.global(\.\w+)*\.[bsu](8|16)\b|\bcp\.async\.\w+\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[12]|[12])\b")
 
 
 class _Recorder:
@@ -80,7 +84,9 @@ def _signature(kernel, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
             sig[p.name] = "i1"
         elif isinstance(v, int):
             sig[p.name] = "i64" if abs(v) >= 2**31 else "i32"
-            if v % 16 == 0 and not p.do_not_specialize_on_alignment:
+            # Triton marks divisibility only where it also specialises on the value (never for an
+            # argument in do_not_specialize, whatever do_not_specialize_on_alignment says)
+            if v % 16 == 0 and not (p.do_not_specialize or p.do_not_specialize_on_alignment):
                 attrs[(i,)] = aligned
         else:
             sig[p.name] = "fp32"
@@ -112,6 +118,7 @@ def _check(name: str, module, attr: str, call) -> dict:
             "release_before_wait": release is not None and release < wait,
             "reads_before_wait": sum(bool(_READ.search(line)) for line in before),
             "writes_before_wait": sum(bool(_WRITE.search(line)) for line in before),
+            "narrow_reads": sum(bool(_NARROW_READ.search(line)) for line in lines),
             "shared": compiled.metadata.shared, "fits_h100": compiled.metadata.shared <= H100_SMEM}
 
 
@@ -183,6 +190,21 @@ def _fp8_kv_cases() -> list[tuple]:
     ]
 
 
+def _fp8_gemm_cases() -> list[tuple]:
+    """Block-FP8 GEMMs at a MiMo-V2 projection's K (4096): W8A8 at prefill rows (the activation
+    quantiser, then fp8 MMAs) and weight-only at decode rows. No PDL form: checked for shared memory
+    and for reading their tiles 16 bytes at a time."""
+    w, s = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn), torch.zeros(8, 32)
+    x_prefill, x_decode = torch.zeros(2048, 4096, dtype=torch.bfloat16), torch.zeros(64, 4096, dtype=torch.bfloat16)
+    return [
+        ("quant_fp8_groups", fp8_gemm, "_quant_groups_kernel", lambda: fp8_gemm.quant_fp8_groups(x_prefill)),
+        ("fp8_gemm[w8a8, 2048 rows]", fp8_gemm, "_fp8_gemm_kernel",
+         lambda: fp8_gemm.fp8_gemm(x_prefill, w, s, act_fp8=True)),
+        ("fp8_gemm[w8a16, 64 rows]", fp8_gemm, "_fp8_gemm_kernel",
+         lambda: fp8_gemm.fp8_gemm(x_decode, w, s, act_fp8=False)),
+    ]
+
+
 def main() -> None:
     bf16, f32 = torch.bfloat16, torch.float32
     T, dim, inter = 4, 1152, 6912
@@ -234,7 +256,7 @@ def main() -> None:
         ("decode_stage2", decode_attention, "_decode_stage2",
          lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=4)),
     ]
-    cases += _attention_cases() + _fp8_kv_cases()
+    cases += _attention_cases() + _fp8_kv_cases() + _fp8_gemm_cases()
     for dtype in (bf16, f32):
         tag = "bf16" if dtype == bf16 else "fp32"
         xs = torch.zeros(T, inter, dtype=dtype)
