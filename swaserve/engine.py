@@ -16,7 +16,7 @@ from swaserve.admission import check_options, prompt_ids
 from swaserve.config import ModelConfig, split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
-from swaserve.grammar import GrammarCompiler, SequenceGrammar
+from swaserve.grammar import GrammarCompiler, SequenceGrammar, accept_tokens
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.memory.planner import kv_dtype_name
@@ -261,14 +261,21 @@ class Engine:
     def _commit(self, step: LaunchedStep) -> list[Req]:
         """Wait for a launched step and commit its tokens; the sequences it advanced."""
         tokens, logprobs = step.wait()
+        nxt = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
+        if step.constrained:  # the grammars first, in one call: the next step's masks depend on nothing else
+            live = [(r.grammar, t) for r, t in zip(step.reqs, tokens) if r.grammar is not None and not r.finished]
+            accept_tokens([g for g, _ in live], [t for _, t in live])  # type: ignore[misc]
+        if nxt is not None:
+            # Overlap with constrained rows: the next step's model is running; its masks needed the tokens
+            # just accepted. They fill on a worker thread from now until it samples (`_advance`), while
+            # this step commits and the next one is scheduled.
+            self.launcher.start_masks(nxt)
         if step.prompt is not None:  # before the tokens: a request's first delta carries its prompt logprobs
             step.prompt.record()
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
         self.stats.retractions_total = self.scheduler.retractions_total
-        if self._inflight is not None and self._inflight.deferred is not None:
-            # Overlap with constrained rows: the next step's model is running; its masks needed the
-            # tokens just committed. They fill on a worker thread from now until it samples (`_advance`).
-            self.launcher.prepare_deferred(self._inflight)
+        if nxt is not None:
+            self.launcher.prepare_deferred(nxt)
         for r in progressed:
             if r.finish_reason is not None and r.detok is not None and not r.detok.stopped:
                 r.detok.flush()

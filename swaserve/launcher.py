@@ -44,8 +44,9 @@ class LaunchedStep:
     """A step on its way through the device. `reqs` are the requests that sample, in the order of
     `batch.sample_indices()`; `out` holds host tensors that are valid once `ready` has fired.
     `deferred`: the model ran but sampling waits (hidden states, request rows) until the host has seen
-    the tokens a constrained row's mask depends on (`StepLauncher.sample_deferred`); `plan`: its sampling
-    prepared since (`StepLauncher.prepare_deferred`), masks filling."""
+    the tokens a constrained row's mask depends on (`StepLauncher.sample_deferred`); `masks`: their fill,
+    started as soon as those tokens were accepted (`StepLauncher.start_masks`); `plan`: its sampling
+    prepared since (`StepLauncher.prepare_deferred`). `constrained`: some row samples under a grammar."""
 
     batch: ScheduleBatch
     reqs: list[Req]
@@ -56,6 +57,8 @@ class LaunchedStep:
     deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, hidden], [n] int64 rows), device
     plan: SamplePlan | None = None
     head_greedy: bool | None = None  # the LM-head path sampling was announced to take (`StepLauncher.head_greedy`)
+    constrained: bool = False
+    masks: MaskJob | None = None
 
     def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Block until the step is done; its sampled tokens and, if any row asked, logprobs."""
@@ -123,19 +126,29 @@ class StepLauncher:
         if len(idx) != len(batch.reqs):
             sel = to_device(torch.tensor(idx), self.device)
             hidden, rows = hidden[sel], rows[sel]
-        step = LaunchedStep(batch, reqs, None, None, None, prompt, deferred=(hidden, rows), head_greedy=head_greedy)
+        constrained = any(r.grammar is not None for r in reqs)
+        step = LaunchedStep(batch, reqs, None, None, None, prompt, deferred=(hidden, rows), head_greedy=head_greedy,
+                            constrained=constrained)
         # Overlap: a constrained row's mask needs the token its previous step (still in flight) picks.
         # The model runs now; the engine samples once it has committed that step.
-        if not any(r.grammar is not None and r.inflight > 1 for r in reqs):
+        if not (constrained and any(r.grammar is not None and r.inflight > 1 for r in reqs)):
             self.sample_deferred(step)
         return step
 
+    def start_masks(self, step: LaunchedStep) -> None:
+        """A deferred step's grammars have accepted the tokens before it (the rest of that step is not yet
+        committed): start filling its masks on the worker thread, while the step loop commits, schedules
+        the next step and the device runs this step's model. A row that ends with the step committing
+        gets a mask it will not need; a row whose grammar ended gets none."""
+        assert step.deferred is not None and step.masks is None
+        step.masks = self._start_masks(step.reqs, background=True)
+
     def prepare_deferred(self, step: LaunchedStep) -> None:
         """A deferred step's tokens before it are all committed: take what its sampling needs from the
-        host and start filling its masks on the worker thread (the step loop goes on: it schedules the
-        next step while they fill and the device runs this step's model)."""
+        host (its masks fill since `start_masks`, or start now on the worker thread)."""
         assert step.deferred is not None and step.plan is None
-        step.plan = self._prepare(step.reqs, step.deferred[1], background=True)
+        masks, step.masks = step.masks, None
+        step.plan = self._prepare(step.reqs, step.deferred[1], background=True, masks=masks)
 
     def sample_deferred(self, step: LaunchedStep) -> None:
         """Sample a launched step's rows (under the masks of constrained rows, filled on the host while
@@ -199,20 +212,25 @@ class StepLauncher:
         except under tensor parallelism, where the ranks were told to gather logits)."""
         return self._finish(hidden, self._prepare(reqs, rows, background=False), head_greedy)
 
-    def _prepare(self, reqs: list[Req], rows: torch.Tensor, background: bool) -> SamplePlan:
+    def _prepare(self, reqs: list[Req], rows: torch.Tensor, background: bool,
+                 masks: MaskJob | None = None) -> SamplePlan:
         """The host's part of `sample`, which reads the requests' state as it is now. Structured outputs:
         the allowed-token bitmasks of the rows with a live grammar start filling (inline, or on the worker
-        thread with `background`)."""
+        thread with `background`), unless `masks` is their fill already started."""
         params = [r.params for r in reqs]
         distinct = distinct_params(params)
-        masks = None
-        if any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
-            if self._mask_rows is None:
-                self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
-            masks = start_fill([None if r.finished else r.grammar for r in reqs], self.vocab_size, self._mask_rows,
-                               background)
+        if masks is None:
+            masks = self._start_masks(reqs, background)
         greedy = is_plain_greedy(distinct)
         return SamplePlan(params, greedy, None if greedy else self._sampling_batch(reqs, params, distinct, rows), masks)
+
+    def _start_masks(self, reqs: list[Req], background: bool) -> MaskJob | None:
+        if not any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
+            return None
+        if self._mask_rows is None:
+            self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
+        return start_fill([None if r.finished else r.grammar for r in reqs], self.vocab_size, self._mask_rows,
+                          background)
 
     def _finish(self, hidden: torch.Tensor, plan: SamplePlan,
                 head_greedy: bool | None = None) -> tuple[SamplerOutput, list | None]:

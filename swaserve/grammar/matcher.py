@@ -14,9 +14,10 @@ class SequenceGrammar:
     (a sampled token always obeys the mask it was drawn under, so it is always accepted; a sequence
     retracted and recomputed keeps its tokens and so its state). `terminated` once it accepted a stop
     token: the output is complete. That is the matcher's `is_terminated()`, kept here so that the step
-    loop asks xgrammar once per token, not three times."""
+    loop asks xgrammar once per token, not three times. `ahead`: tokens accepted (`accept_tokens`) before
+    the sequence appended them; its append then only counts them down."""
 
-    __slots__ = ("matcher", "rejected", "stops", "terminated")
+    __slots__ = ("ahead", "matcher", "rejected", "stops", "terminated")
 
     def __init__(self, compiled: Any, stop_ids: Sequence[int]):
         import xgrammar as xgr
@@ -25,13 +26,42 @@ class SequenceGrammar:
         self.stops = frozenset(self.matcher.stop_token_ids)  # (the compiled grammar's when stop_ids is empty)
         self.terminated = False
         self.rejected = 0  # tokens the grammar refused (only a token forced past the mask could be one)
+        self.ahead = 0
 
     def accept(self, token: int) -> bool:
         if self.terminated:
             return False
-        if self.matcher.accept_token(token):
+        return self._accepted(token, self.matcher.accept_token(token))
+
+    def appended(self, token: int) -> None:
+        """The sequence appended `token`: accept it, unless `accept_tokens` already did."""
+        if self.ahead:
+            self.ahead -= 1
+        else:
+            self.accept(token)
+
+    def _accepted(self, token: int, ok: bool) -> bool:
+        if ok:
             # A stop token is accepted only where the grammar may end, and ends it.
             self.terminated = token in self.stops
             return True
         self.rejected += 1
         return False
+
+
+def accept_tokens(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) -> None:
+    """Each grammar accepts its token ahead of the sequence's append (`SequenceGrammar.appended`), the live
+    ones in one xgrammar call: the step loop does this first thing after a step's tokens arrive, so the
+    next step's masks can start filling before the rest of the step's output is processed."""
+    live = []
+    for g in grammars:
+        g.ahead += 1
+        if not g.terminated:
+            live.append(g)
+    if not live:
+        return
+    import xgrammar as xgr
+
+    toks = [t for g, t in zip(grammars, tokens) if not g.terminated]
+    for g, t, ok in zip(live, toks, xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in live], toks)):
+        g._accepted(t, ok)

@@ -119,7 +119,7 @@ class Req:
             self.output_logprobs.append(logprobs)
         p = self.params
         if self.grammar is not None:
-            self.grammar.accept(token)
+            self.grammar.appended(token)
             if self.grammar.terminated:  # the grammar accepted a stop token: the output is complete
                 self.finish_reason = "stop"
                 return

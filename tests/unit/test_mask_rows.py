@@ -1,6 +1,8 @@
 """A step's masks (`grammar/masks.py`): only rows with a live grammar get one (`TokenMasks.rows`), filled into
 reused `MaskRows` buffers (two host buffers in turn, each row exactly the mask a fresh fill gives),
-on the worker thread as inline; `SequenceGrammar.terminated` is the matcher's own `is_terminated()`."""
+on the worker thread as inline; `SequenceGrammar.terminated` is the matcher's own `is_terminated()`; a step's
+rows accepted at once (`accept_tokens`) end in the states one token at a time gives, and the append after
+does not accept again."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from swaserve.grammar.masks import MaskRows, fill_threads, fill_token_masks, start_fill
-from swaserve.grammar.matcher import SequenceGrammar
+from swaserve.grammar.matcher import SequenceGrammar, accept_tokens
 from swaserve.runner.token_mask import allowed_tokens
 
 VOCAB = ["<eos>", "a", "b", "ab", "ba", "c", "x", "y"] + [f"t{i}" for i in range(40)]  # 48 tokens: 2 words
@@ -62,6 +64,33 @@ def test_terminated_is_the_matchers_own(compiled):
         assert g.terminated == g.matcher.is_terminated(), tok
         assert ok or tok in (0, 6, 3, 1)
     assert g.terminated and g.rejected == 4  # 0 and 6 refused, 3 after "c" refused, then ended
+
+
+def test_accept_tokens_at_once_equals_one_at_a_time(compiled):
+    """Random token streams (refused tokens, stop tokens, tokens after the end) through 12 sequences:
+    `accept_tokens` then `appended` (the step loop's order) leaves every grammar where `accept` alone does:
+    the same flags, refusals and next masks."""
+    import random
+
+    rnd = random.Random(0)
+    one = [SequenceGrammar(compiled, [0]) for _ in range(12)]
+    batch = [SequenceGrammar(compiled, [0]) for _ in range(12)]
+    for _ in range(8):
+        toks = [rnd.choice([1, 2, 3, 5, 0, 6]) for _ in one]
+        for g, t in zip(one, toks):
+            g.accept(t)
+        accept_tokens(batch, toks)
+        assert all(g.ahead == 1 for g in batch)
+        for g, t in zip(batch, toks):
+            g.appended(t)  # counted down, not accepted twice
+        assert [(g.terminated, g.rejected, g.ahead) for g in batch] == [(g.terminated, g.rejected, 0) for g in one]
+        live = [i for i, g in enumerate(one) if not g.terminated]
+        if live:
+            a = fill_token_masks([one[i] for i in live], len(VOCAB))
+            b = fill_token_masks([batch[i] for i in live], len(VOCAB))
+            assert a is not None and b is not None and torch.equal(a.masks, b.masks)
+    assert any(g.terminated for g in one) and any(g.rejected for g in one)
+    accept_tokens([], [])  # nothing to do
 
 
 def test_background_fill_equals_inline(compiled):
