@@ -4,7 +4,8 @@ prompts, `--output-len` tokens each) run twice on a Gemma 3 shape with random we
 request under one JSON schema whose string field lets a random model write to its length. Reports output
 tok/s of each run and their ratio (goal: constrained >= 90% of unconstrained), TTFT (p50/p99, from
 submission to the step that returned the first token), the host time spent filling masks (mostly on the
-fill worker's thread) and what of it the step loop waited for, and the schema's compile time cold (first
+fill worker's thread) and what of it the step loop waited for, the time it waited for the device to return
+a step's tokens (near 0 where the host is the limit), and the schema's compile time cold (first
 compile; xgrammar's vocabulary table reported apart) and cached.
 
     python benchmarks/structured_outputs.py [--shape 1b] [--num-requests 256] [--output-len 256]
@@ -82,11 +83,13 @@ def main(argv: list[str] | None = None) -> None:
         fill_ms = after["grammar_mask_fill_ms_total"] - before["grammar_mask_fill_ms_total"]
         wait_ms = after["grammar_mask_wait_ms_total"] - before["grammar_mask_wait_ms_total"]
         masked = after["grammar_masked_rows_total"] - before["grammar_masked_rows_total"]
+        device_ms = after["step_wait_ms_total"] - before["step_wait_ms_total"]
         steps = row.pop("steps")
         row.update(steps=steps, step_ms=round(row["seconds"] * 1e3 / max(steps, 1), 2),
                    mask_fill_ms_per_step=round(fill_ms / max(steps, 1), 2),
                    mask_fill_us_per_row=round(fill_ms * 1e3 / masked, 1) if masked else 0.0,
-                   mask_wait_ms_per_step=round(wait_ms / max(steps, 1), 2))
+                   mask_wait_ms_per_step=round(wait_ms / max(steps, 1), 2),
+                   device_wait_ms_per_step=round(device_ms / max(steps, 1), 2))
         rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     base, constrained = rows
@@ -94,11 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(dict(kind="summary", tok_per_s_ratio=round(ratio, 3), hardware=hardware())), flush=True)
     print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}:")
     print(f"  {'mode':<14} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
-          f"{'mask fill ms/step':>18} {'loop waited ms/step':>20}")
+          f"{'mask fill ms/step':>18} {'loop waited ms/step':>20} {'for device':>10}")
     for r in rows:
         print(f"  {r['mode']:<14} {r['out_tok_per_s']:>10} {r['ttft_p50_ms']:>12} {r['ttft_p99_ms']:>12} "
               f"{r['output_tokens']:>8} {r['step_ms']:>8} {r['mask_fill_ms_per_step']:>18} "
-              f"{r['mask_wait_ms_per_step']:>20}")
+              f"{r['mask_wait_ms_per_step']:>20} {r['device_wait_ms_per_step']:>10}")
     print(f"  constrained / unconstrained: {ratio:.1%}; schema compile {cold_ms:.1f} ms cold (vocabulary table "
           f"{vocab_ms:.0f} ms, once per process), {cached_ms * 1e3:.1f} us cached")
 

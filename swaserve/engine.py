@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import secrets
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 class EngineStats:
     prompt_tokens_total: int = 0
     retractions_total: int = 0
+    step_wait_seconds: float = 0.0  # the step loop blocked on the device for a step's tokens
 
 
 class Engine:
@@ -224,11 +226,12 @@ class Engine:
     def _advance(self) -> LaunchedStep | None:
         """Schedule and launch the next step; the launched step whose results are due now (with
         overlap the previous one, so the host schedules step N+1 while the device runs step N)."""
-        batch = self.scheduler.schedule()
         if self._inflight is not None and self._inflight.deferred is not None:
-            # Overlap with constrained rows: the step in flight samples now, before the next model launch
-            # (which reads its tokens); its masks filled while this batch was scheduled (`_commit`).
+            # Overlap with constrained rows: the step in flight samples first (its masks filled while the
+            # step before it committed, `_commit`), so the device samples while the next step is scheduled;
+            # the next model launch reads its tokens.
             self.launcher.sample_deferred(self._inflight)
+        batch = self.scheduler.schedule()
         launched = self.launcher.launch(batch) if batch is not None else None
         self.last_step = (batch.kind, len(batch.reqs), batch.num_tokens) if batch is not None else None
         if self.overlap:
@@ -260,7 +263,9 @@ class Engine:
 
     def _commit(self, step: LaunchedStep) -> list[Req]:
         """Wait for a launched step and commit its tokens; the sequences it advanced."""
+        start = time.perf_counter()
         tokens, logprobs = step.wait()
+        self.stats.step_wait_seconds += time.perf_counter() - start
         nxt = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
         if step.constrained:  # the grammars first, in one call: the next step's masks depend on nothing else
             live = [(r.grammar, t) for r, t in zip(step.reqs, tokens) if r.grammar is not None and not r.finished]
@@ -317,6 +322,7 @@ class Engine:
                 "grammar_mask_fill_ms_total": int(self.launcher.mask_fill_seconds * 1000),
                 "grammar_mask_wait_ms_total": int(self.launcher.mask_wait_seconds * 1000),
                 "grammar_masked_rows_total": self.launcher.masked_rows,
+                "step_wait_ms_total": int(self.stats.step_wait_seconds * 1000),
                 **(self.grammars.counters() if self.grammars is not None else GrammarCompiler.idle_counters())}
 
     def kv_cache_dtypes(self) -> dict[str, str]:

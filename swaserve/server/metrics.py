@@ -48,6 +48,8 @@ _ENGINE_GAUGES = (
      "Milliseconds the step loop waited for structured outputs' masks to be filled."),
     ("grammar_masked_rows_total", "swaserve_grammar_masked_rows_total", "counter",
      "Rows sampled under a structured-output mask."),
+    ("step_wait_ms_total", "swaserve_step_wait_ms_total", "counter",
+     "Milliseconds the step loop waited for the device to return a step's tokens (near 0: the host is the limit)."),
 )
 _POOL_GAUGES = (
     ("used", "swaserve_kv_used_tokens", "KV slots in use, per pool."),

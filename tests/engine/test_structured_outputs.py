@@ -99,11 +99,12 @@ def test_same_tokens_with_overlap_and_in_deterministic_mode(llm):
             assert [c.token_ids for c in other[rid].outputs] == [c.token_ids for c in out.outputs], (rid, options)
 
 
-def test_overlap_fills_masks_on_the_worker_beside_the_next_schedule(llm, monkeypatch):
-    """Overlap: a deferred step's masks start filling on the worker thread once the step before it has
-    committed (its sampling inputs taken then), the next batch is scheduled while they fill, and the step
-    samples before the next launch. Greedy, seeded and penalised constrained rows beside a free one still
-    get the plain engine's tokens."""
+def test_overlap_fills_masks_on_the_worker_beside_the_commit(llm, monkeypatch):
+    """Overlap: a deferred step's masks start filling on the worker thread as soon as the grammars have
+    accepted the tokens of the step before it, while that step commits (its sampling inputs taken after
+    it); the step then samples before the next batch is scheduled (the device samples while the host
+    schedules) and launched. Greedy, seeded and penalised constrained rows beside a free one still get
+    the plain engine's tokens."""
     from swaserve.grammar.masks import MaskJob
 
     work = short_workload() + [("regex-pen", "Email:", SamplingParams(
@@ -118,6 +119,8 @@ def test_overlap_fills_masks_on_the_worker_beside_the_next_schedule(llm, monkeyp
         return lambda *a, **k: events.append(name) or real(*a, **k)
 
     monkeypatch.setattr(e.scheduler, "schedule", spy("schedule", e.scheduler.schedule))
+    monkeypatch.setattr(e.launcher, "start_masks", spy("masks", e.launcher.start_masks))
+    monkeypatch.setattr(e.scheduler, "process_output", spy("commit", e.scheduler.process_output))
     monkeypatch.setattr(e.launcher, "prepare_deferred", spy("prepare", e.launcher.prepare_deferred))
     sample = e.launcher.sample_deferred  # (launch samples a step that need not wait through it too)
     monkeypatch.setattr(e.launcher, "sample_deferred",
@@ -128,9 +131,9 @@ def test_overlap_fills_masks_on_the_worker_beside_the_next_schedule(llm, monkeyp
     for rid, out in plain.items():
         assert [c.token_ids for c in got[rid].outputs] == [c.token_ids for c in out.outputs], rid
     assert "swaserve-grammar-masks" in threads
-    deferred = [i for i, ev in enumerate(events) if ev == "prepare"]
-    assert len(deferred) > 3 and events.count("sample") == len(deferred)
-    assert all(events[i : i + 3] == ["prepare", "schedule", "sample"] for i in deferred), events
+    deferred = [i for i, ev in enumerate(events) if ev == "masks"]
+    assert len(deferred) > 3 and events.count("sample") == events.count("prepare") == len(deferred)
+    assert all(events[i : i + 5] == ["masks", "commit", "prepare", "sample", "schedule"] for i in deferred), events
     counters = e.counters()
     assert counters["grammar_masked_rows_total"] > 0 and counters["grammar_mask_wait_ms_total"] >= 0
 
