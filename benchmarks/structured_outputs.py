@@ -6,7 +6,8 @@ tok/s of each run and their ratio (goal: constrained >= 90% of unconstrained), T
 submission to the step that returned the first token), the host time spent filling masks (mostly on the
 fill worker's thread) and what of it the step loop waited for, the time it waited for the device to return
 a step's tokens (near 0 where the host is the limit), and the schema's compile time cold (first
-compile; xgrammar's vocabulary table reported apart) and cached.
+compile; xgrammar's vocabulary table reported apart) and cached. `--fill-threads 2,4,8` runs the
+constrained set again at each most-threads setting of the mask fill (`grammar_threads`).
 
     python benchmarks/structured_outputs.py [--shape 1b] [--num-requests 256] [--output-len 256]
     python benchmarks/structured_outputs.py --smoke     # tiny CPU run (CI)
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fill-threads", default="",
+                    help="comma list: the constrained run again with each most-threads setting (grammar_threads)")
     ap.add_argument("--host-only", action="store_true", help="no model: the host's accept and mask fill per row")
     ap.add_argument("--steps", type=int, default=16, help="--host-only: steps timed per round")
     ap.add_argument("--rounds", type=int, default=3, help="--host-only: rounds (the best is reported)")
@@ -75,7 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     warm = SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
     run(engine, prompts[:2], warm, "warm")  # first-use costs (kernels, the mask path) out of the runs
     rows = []
-    for name, so in (("unconstrained", None), ("json_schema", spec)):
+    modes = [("unconstrained", None, None), ("json_schema", spec, None)]
+    modes += [(f"json_schema t={t}", spec, int(t)) for t in a.fill_threads.split(",") if t]
+    for name, so, threads in modes:
+        engine.launcher.grammar_threads = threads  # None: the default
         params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=so is None, structured_outputs=so)
         before = engine.counters()
         row = dict(kind="run", mode=name, shape=a.shape, **run(engine, prompts, params, name))
@@ -92,14 +98,14 @@ def main(argv: list[str] | None = None) -> None:
                    device_wait_ms_per_step=round(device_ms / max(steps, 1), 2))
         rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
-    base, constrained = rows
+    base, constrained = rows[:2]
     ratio = constrained["out_tok_per_s"] / base["out_tok_per_s"] if base["out_tok_per_s"] else 0.0
     print(json.dumps(dict(kind="summary", tok_per_s_ratio=round(ratio, 3), hardware=hardware())), flush=True)
     print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}:")
-    print(f"  {'mode':<14} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
+    print(f"  {'mode':<18} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
           f"{'mask fill ms/step':>18} {'loop waited ms/step':>20} {'for device':>10}")
     for r in rows:
-        print(f"  {r['mode']:<14} {r['out_tok_per_s']:>10} {r['ttft_p50_ms']:>12} {r['ttft_p99_ms']:>12} "
+        print(f"  {r['mode']:<18} {r['out_tok_per_s']:>10} {r['ttft_p50_ms']:>12} {r['ttft_p99_ms']:>12} "
               f"{r['output_tokens']:>8} {r['step_ms']:>8} {r['mask_fill_ms_per_step']:>18} "
               f"{r['mask_wait_ms_per_step']:>20} {r['device_wait_ms_per_step']:>10}")
     print(f"  constrained / unconstrained: {ratio:.1%}; schema compile {cold_ms:.1f} ms cold (vocabulary table "

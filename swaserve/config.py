@@ -287,6 +287,9 @@ class RunnerConfig:
         False, "batch-invariant kernels: a request gets the same tokens alone or in any batch (costs some speed)")
     grammar_cache_size: int = _opt(
         128, "compiled grammars kept for structured outputs and forced tool calls (least recently used go first)")
+    grammar_threads: int | None = _opt(
+        None, "most threads filling structured outputs' token masks each step, one per 32 constrained rows "
+        "(default: a quarter of this process's CPUs, at most 8)")
 
 
 @dataclass(frozen=True)
@@ -371,6 +374,8 @@ def split_engine_options(
         raise ValueError("max_mixed_prefill_tokens must be >= 1")
     if sched.schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {sched.schedule_policy!r}")
+    if runner.grammar_threads is not None and runner.grammar_threads < 1:
+        raise ValueError("grammar_threads must be >= 1")
     check_kv_cache_dtypes(cache)
     if cache.swa_evict_chunk < 1 or cache.swa_evict_margin < 0:
         raise ValueError("swa_evict_chunk must be >= 1 and swa_evict_margin >= 0")

@@ -101,6 +101,7 @@ class Engine:
             self.sizing = sizing or rt.sizing
             self._runtime = rt
             self.launcher = StepLauncher(self.runner, self.tp.lead(rt) if self.tp is not None else None)
+            self.launcher.grammar_threads = runner_cfg.grammar_threads
             overlap = runner_cfg.overlap_schedule
             self.overlap = default_overlap(self.device) if overlap is None else bool(overlap)
             if drafter is not None:

@@ -97,6 +97,7 @@ class StepLauncher:
         self.mask_wait_seconds = 0.0  # time the step loop waited for masks to be filled
         self.masked_rows = 0  # rows sampled under a grammar's mask
         self._mask_rows: MaskRows | None = None  # the host buffer masks are filled into (made on first use)
+        self.grammar_threads: int | None = None  # most xgrammar threads per fill (None: `fill_threads`' default)
 
     def set_observer(self, observer: Any) -> None:
         self.observer = observer
@@ -230,7 +231,7 @@ class StepLauncher:
         if self._mask_rows is None:
             self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
         return start_fill([None if r.finished else r.grammar for r in reqs], self.vocab_size, self._mask_rows,
-                          background)
+                          background, self.grammar_threads)
 
     def _finish(self, hidden: torch.Tensor, plan: SamplePlan,
                 head_greedy: bool | None = None) -> tuple[SamplerOutput, list | None]:

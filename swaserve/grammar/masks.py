@@ -21,14 +21,18 @@ _ROWS_PER_THREAD = 32
 _MAX_THREADS = 8
 
 
-def fill_threads(rows: int) -> int:
-    """xgrammar threads for filling `rows` masks: half the CPUs this process may run on (xgrammar's "auto"
-    counts the whole machine's), at most 8, and one per 32 rows (its pool is made anew every call)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(_MAX_THREADS, cpus // 2, -(-rows // _ROWS_PER_THREAD)))
+def fill_threads(rows: int, most: int | None = None) -> int:
+    """xgrammar threads for filling `rows` masks: one per 32 rows (its pool is made anew every call), at
+    most `most` (the `grammar_threads` option), by default a quarter of the CPUs this process may run on
+    (xgrammar's "auto" counts the whole machine's) and at most 8: the step loop's own thread runs beside
+    them, and fill threads on its core's sibling slow it down more than they speed the fill up."""
+    if most is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cpus = os.cpu_count() or 1
+        most = min(_MAX_THREADS, cpus // 4)
+    return max(1, min(most, -(-rows // _ROWS_PER_THREAD)))
 
 
 # xgrammar BatchGrammarMatcher by thread count, per calling thread: one with threads keeps its pool in
@@ -98,10 +102,11 @@ class MaskJob:
     """One fill, on the worker thread or done inline. `result()` waits for it; `fill_seconds` is the time
     xgrammar took (on whichever thread ran it)."""
 
-    __slots__ = ("done", "error", "fill_seconds", "masks", "matchers", "started")
+    __slots__ = ("done", "error", "fill_seconds", "masks", "matchers", "started", "threads")
 
-    def __init__(self, matchers: list[Any], masks: TokenMasks):
+    def __init__(self, matchers: list[Any], masks: TokenMasks, threads: int | None = None):
         self.matchers = matchers
+        self.threads = threads
         self.masks = masks
         self.started = threading.Event()
         self.done = threading.Event()
@@ -110,7 +115,7 @@ class MaskJob:
 
     def run(self) -> None:
         try:
-            batch = _batch(fill_threads(len(self.matchers)))
+            batch = _batch(fill_threads(len(self.matchers), self.threads))
             self.started.set()  # the submitter goes on once this thread is inside xgrammar (GIL released)
             t0 = time.perf_counter()
             batch.batch_fill_next_token_bitmask(self.matchers, self.masks.masks)
@@ -147,12 +152,13 @@ _WORKER_LOCK = threading.Lock()
 
 
 def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out: MaskRows | None = None,
-               background: bool = False) -> MaskJob | None:
+               background: bool = False, threads: int | None = None) -> MaskJob | None:
     """Fill the masks of `grammars`' live rows (None, or a terminated grammar: a sequence that ended while
     its next step was already launched, samples unconstrained); None when no row has a live grammar.
     `background`: on the worker thread, returning as soon as it has entered xgrammar, which runs without
     the GIL, so the step loop's Python goes on beside it (a thread merely queued would wait for the GIL
-    until the loop next released it). The grammars must not advance until `result()` returned."""
+    until the loop next released it). `threads`: at most this many xgrammar threads (`fill_threads`).
+    The grammars must not advance until `result()` returned."""
     live = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
     if not live:
         return None
@@ -161,7 +167,7 @@ def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out:
         out = MaskRows(words)
     assert out.words == words, (out.words, words)
     job = MaskJob([grammars[i].matcher for i in live],  # type: ignore[union-attr]
-                  TokenMasks(out.rows(len(live)), live, len(grammars)))
+                  TokenMasks(out.rows(len(live)), live, len(grammars)), threads)
     if not background:
         job.run()
         return job

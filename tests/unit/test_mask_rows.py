@@ -110,3 +110,4 @@ def test_background_fill_equals_inline(compiled):
 def test_fill_threads():
     assert fill_threads(1) == 1 and fill_threads(32) == 1  # a pool per call: not worth it for few rows
     assert 1 <= fill_threads(256) <= 8
+    assert fill_threads(256, 3) == 3 and fill_threads(40, 8) == 2 and fill_threads(256, 0) == 1
