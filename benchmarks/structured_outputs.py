@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fill-threads", default="",
                     help="comma list: the constrained run again with each most-threads setting (grammar_threads)")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads first (the host's intra-op pool beside the mask fill threads)")
     ap.add_argument("--host-only", action="store_true", help="no model: the host's accept and mask fill per row")
     ap.add_argument("--steps", type=int, default=16, help="--host-only: steps timed per round")
     ap.add_argument("--rounds", type=int, default=3, help="--host-only: rounds (the best is reported)")
@@ -55,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     from swaserve.request import SamplingParams
     from swaserve.structured_outputs import StructuredOutputs
 
+    if a.torch_threads:
+        import torch
+
+        torch.set_num_threads(a.torch_threads)
     dev = bench_device(a.smoke)
     dtype = bench_dtype(dev)
     engine = Engine(model_dir(a.shape, tokenizer="embedded"), device=dev, dtype=dtype, load_format="dummy",

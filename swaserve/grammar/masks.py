@@ -16,16 +16,18 @@ import torch
 
 from swaserve.grammar.matcher import SequenceGrammar
 
-# xgrammar builds a thread pool for every batch fill; give each thread at least this many rows.
-_ROWS_PER_THREAD = 32
+# Rows per xgrammar thread at least. At 256 constrained rows (1B shape, H200 hosts of 16 and 32 cores) one
+# fill thread gave the most output tok/s, 1 > 2 > 4 = 8 (benchmarks/structured_outputs.py --fill-threads):
+# the fill runs beside the step loop either way, and more threads slow the loop's own thread more than
+# they shorten a fill that already ends in time.
+_ROWS_PER_THREAD = 256
 _MAX_THREADS = 8
 
 
 def fill_threads(rows: int, most: int | None = None) -> int:
-    """xgrammar threads for filling `rows` masks: one per 32 rows (its pool is made anew every call), at
-    most `most` (the `grammar_threads` option), by default a quarter of the CPUs this process may run on
-    (xgrammar's "auto" counts the whole machine's) and at most 8: the step loop's own thread runs beside
-    them, and fill threads on its core's sibling slow it down more than they speed the fill up."""
+    """xgrammar threads for filling `rows` masks: one per 256 rows, at most `most` (the `grammar_threads`
+    option), by default a quarter of the CPUs this process may run on (xgrammar's "auto" counts the whole
+    machine's) and at most 8."""
     if most is None:
         try:
             cpus = len(os.sched_getaffinity(0))

@@ -12,7 +12,7 @@ Two ways through the K loop, one kernel (`A_FP8`):
   FLOPs problem: from ~128 rows a GEMM over fp8 weights is compute-bound (2 M flops per weight byte
   against the H100's ~295 bf16 flops per byte of HBM), so fp8 MMAs are where the time goes.
 `fp8_gemm` picks W8A8 from `W8A8_MIN_ROWS` rows (`act_fp8` overrides; benchmarks/fp8_gemm.py measures
-both at every size). Rows never mix: a row's result depends on its own input, the tile and the mode,
+both at every size: the weight-only form's 64-row tile already lost to W8A8 at 64 rows). Rows never mix: a row's result depends on its own input, the tile and the mode,
 so padded graph rows are inert (an all-zero row quantises with a finite scale and gives 0).
 Deterministic mode (`batch_invariant`): weight-only and one tiling for every M, so a row's bits do
 not depend on how many rows share the launch.
@@ -28,7 +28,10 @@ from swaserve.kernels.common import _dot, dot_flags, interpret_mode, jit_per_bat
 
 BLOCK = 128  # inputs per scale (weights and activations), rows per weight scale in the block layout
 FP8_MAX = 448.0
-W8A8_MIN_ROWS = 128  # from here the GEMM is compute-bound on Hopper: fp8 MMAs (see the module docstring)
+# From here W8A8 beats weight-only on every measured projection (H200, benchmarks/fp8_gemm.py: at 64 rows
+# 30 against 58 us on MiMo's q/k/v, 44 against 89 on its dense gate/up; Gemma 4's down 15.0 against 13.4 the
+# one loss); below it the weight-only form streams the weight with nothing else launched.
+W8A8_MIN_ROWS = 64
 _EPS = 1e-10
 
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import jit_per_batch, num_sms
-from swaserve.kernels.fp8_gemm import W8A8_MIN_ROWS, quant_fp8_groups
+from swaserve.kernels.fp8_gemm import quant_fp8_groups
 from swaserve.kernels.moe_gemm import MOE_ACTS, moe_gemm
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
@@ -21,6 +21,8 @@ ALIGN_KERNEL_MAX_PAIRS = 2048
 # The kernel sorts a power of two of pairs, at least this many: few compiled sizes (256 .. 2048).
 _ALIGN_MIN_PAIRS = 256
 _ALIGN_CHUNK = 512  # padding slots (or unused blocks) one step of the align kernel writes
+
+W8A8_MIN_PAIRS = 128  # FP8 experts quantise their activations from this many pairs an expert on average
 
 
 def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -188,7 +190,7 @@ def fused_moe(
     gate_up_scales: torch.Tensor | None = None,  # [E, 2I, H/32] uint8 e8m0 (MXFP4); FP8: [E, ceil(2I/sr), ceil(H/128)] fp32
     down_scales: torch.Tensor | None = None,  # [E, H, I/32] uint8 e8m0 (MXFP4); FP8: [E, ceil(H/128), ceil(I/128)] fp32
     gate_up_scale_rows: int = 128,  # FP8: w_gate_up rows per scale (1: a scale per row, `layers.fp8_linear`)
-    act_fp8: bool | None = None,  # FP8: activations quantised (W8A8); None: when experts average W8A8_MIN_ROWS pairs
+    act_fp8: bool | None = None,  # FP8: activations quantised (W8A8); None: when experts average W8A8_MIN_PAIRS pairs
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I], gate first
     down_bias: torch.Tensor | None = None,  # [E, H]
     alpha: float | None = None,  # swiglu_oai's sigmoid gain
@@ -236,7 +238,7 @@ def fused_moe(
     if not fp8 or batch_invariant:
         act_fp8 = False
     elif act_fp8 is None:
-        act_fp8 = x.dtype != torch.float32 and n * k >= W8A8_MIN_ROWS * E
+        act_fp8 = x.dtype != torch.float32 and n * k >= W8A8_MIN_PAIRS * E
     xa, xs = quant_fp8_groups(x) if act_fp8 else (x, None)
     moe_gemm(xa, w_gate_up, gate_up_scales, gate_up_bias, h, sorted_pairs, block_expert, n * k, top_k=k,
              a_per_token=True, gated=True, activation=activation, **act, block_m=bm, block_n=bn1,

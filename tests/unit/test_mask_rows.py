@@ -108,6 +108,6 @@ def test_background_fill_equals_inline(compiled):
 
 
 def test_fill_threads():
-    assert fill_threads(1) == 1 and fill_threads(32) == 1  # a pool per call: not worth it for few rows
-    assert 1 <= fill_threads(256) <= 8
-    assert fill_threads(256, 3) == 3 and fill_threads(40, 8) == 2 and fill_threads(256, 0) == 1
+    assert fill_threads(1) == 1 and fill_threads(256) == 1  # one thread beside the step loop did best
+    assert 1 <= fill_threads(4096) <= 8
+    assert fill_threads(1024, 3) == 3 and fill_threads(300, 8) == 2 and fill_threads(1024, 0) == 1
