@@ -235,8 +235,9 @@ class StepLauncher:
 
     def _finish(self, hidden: torch.Tensor, plan: SamplePlan,
                 head_greedy: bool | None = None) -> tuple[SamplerOutput, list | None]:
-        """The device's part of `sample`. Rows with masks need the logits, so they skip the LM head's own
-        greedy/sampling kernels (`head_greedy`: see `sample`)."""
+        """The device's part of `sample`. Plain greedy rows take the LM head's greedy path, their masks
+        with them (no logits written on a GPU); other rows with masks need the logits, so they skip the
+        LM head's sampling kernel (`head_greedy`: see `sample`)."""
         masks = None
         if plan.masks is not None:
             start = time.perf_counter()
@@ -245,9 +246,10 @@ class StepLauncher:
             self.mask_fill_seconds += plan.masks.fill_seconds
             self.masked_rows += len(masks.rows)
         fast = head_greedy if head_greedy is not None else self.lead is None
-        if masks is None and plan.greedy and fast:  # the common case: no logits, no per-row host work
-            return SamplerOutput(self.runner.greedy_tokens(hidden), None, None, None), None
-        if plan.greedy:  # constrained, plain greedy: the masked logits' argmax (what the Sampler would take)
+        if plan.greedy and fast:  # the common case: no logits, no per-row host work (masked rows too)
+            allowed = None if masks is None else self._device_masks(masks)
+            return SamplerOutput(self.runner.greedy_tokens(hidden, allowed), None, None, None), None
+        if plan.greedy:  # tensor parallelism: the gathered (masked) logits' argmax (what the Sampler would take)
             logits = self.runner.logits(hidden) if masks is None else self._masked_logits(hidden, masks)
             return SamplerOutput(logits.argmax(dim=-1), None, None, None), None
         sb = plan.sb
@@ -263,13 +265,17 @@ class StepLauncher:
         return out, ([p.logprobs for p in plan.params] if sb.max_num_logprobs is not None else None)
 
     def _masked_logits(self, hidden: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
-        """The rows' logits with every token their grammar disallows at -inf: only the constrained rows'
-        masks cross to the device and are applied."""
+        """The rows' logits with every token their grammar disallows at -inf."""
         logits = self.runner.logits(hidden)
-        rows = None if masks.every_row else to_device(torch.tensor(masks.rows), self.device)
-        apply_token_bitmask(logits, to_device(masks.masks, self.device), rows)
-        self._mask_rows.copied()  # type: ignore[union-attr]
+        apply_token_bitmask(logits, *self._device_masks(masks))
         return logits
+
+    def _device_masks(self, masks: TokenMasks) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(masks, rows)` on the device: only the constrained rows' masks cross (rows None: every row)."""
+        rows = None if masks.every_row else to_device(torch.tensor(masks.rows), self.device)
+        words = to_device(masks.masks, self.device)
+        self._mask_rows.copied()  # type: ignore[union-attr]
+        return words, rows
 
     def _sampling_batch(self, reqs: list[Req], params: list, distinct: list, rows: torch.Tensor) -> SamplingBatch:
         penalties = any(p.uses_penalties for p in distinct)

@@ -66,9 +66,10 @@ def gumbel_noise_ref(seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 @jit_per_batch("M")
 def _tile_argmax_kernel(
-    x, w, part_val, part_idx, inv_temp, seeds, M, N, K, stride_xm, stride_wn, softcap,
-    HAS_SOFTCAP: tl.constexpr, NOISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    x, w, part_val, part_idx, inv_temp, seeds, allowed, allowed_index, M, N, K, stride_xm, stride_wn,
+    stride_am, softcap,
+    HAS_SOFTCAP: tl.constexpr, NOISE: tl.constexpr, MASKED: tl.constexpr, MASK_INDEXED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     # Row blocks vary fastest, so the programs that share a W tile run together and read it once
     # from HBM (the others hit L2).
@@ -96,6 +97,14 @@ def _tile_argmax_kernel(
         seed = tl.load(seeds + rm, mask=mmask, other=0).to(tl.uint64)
         noisy = acc * t[:, None] + _gumbel(seed[:, None], rn[None, :])
         acc = tl.where(t[:, None] > 0, noisy, acc)
+    if MASKED:  # token j of a constrained row competes only where bit j % 32 of its word j // 32 is set
+        if MASK_INDEXED:
+            mrow = tl.load(allowed_index + rm, mask=mmask, other=-1)
+        else:
+            mrow = tl.where(mmask, rm, -1)
+        words = tl.load(allowed + mrow[:, None].to(tl.int64) * stride_am + (rn // 32)[None, :],
+                        mask=(mrow >= 0)[:, None] & nmask[None, :], other=-1)  # unconstrained: every bit set
+        acc = tl.where(((words >> (rn % 32)[None, :]) & 1) != 0, acc, float("-inf"))
     acc = tl.where(nmask[None, :], acc, float("-inf"))
     best = tl.max(acc, axis=1)
     arg = tl.argmax(acc, axis=1, tie_break_left=True)
@@ -163,13 +172,17 @@ def lm_head_argmax(
     seeds: torch.Tensor | None = None,  # [M] int64 in [0, 2**63), device: each sampling row's seed
     combine_block: int = 1024,  # tiles per step of the combine kernel's loop
     values: torch.Tensor | None = None,  # [M] float32: receives each row's best (soft-capped) logit
+    allowed: torch.Tensor | None = None,  # [m, ceil(N/32)] int32 bitmasks: the tokens a row may take
+    allowed_index: torch.Tensor | None = None,  # [M] int32: row r's mask row, -1 none; None: row r's is r
     **settings: int,  # block_m, block_n, block_k, num_warps, num_stages; default launch_settings(M)
 ) -> torch.Tensor:  # [M] int64
     """Each row's `argmax_j softcap(x @ W.T)[row, j]` (lowest j on ties), in two launches, with no
     logits in memory. `softcap=None` means no cap. With `inv_temperature` and `seeds`, a row with a
     positive inverse temperature takes `argmax_j (logit_j * inv_t + gumbel(seed, j))` instead: a
     sample of `softmax(logits * inv_t)`. `values` (greedy only): the best logits too, e.g. to pick
-    between the vocabulary blocks of tensor-parallel ranks."""
+    between the vocabulary blocks of tensor-parallel ranks. `allowed` (structured outputs): a row with a
+    mask takes the argmax over the tokens whose bit is set (bit j % 32 of word j // 32), as the argmax of
+    its logits with the others at -inf would; `allowed_index` says which rows have one."""
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -181,6 +194,10 @@ def lm_head_argmax(
         assert inv_temperature.shape == (M,) and inv_temperature.dtype == torch.float32, inv_temperature.shape
         assert seeds.shape == (M,) and seeds.dtype == torch.int64, seeds.shape
     assert x.stride(1) == 1 and weight.stride(1) == 1, (x.stride(), weight.stride())
+    if allowed is not None:
+        assert allowed.dtype == torch.int32 and allowed.shape[1] * 32 >= N and allowed.stride(1) == 1, allowed.shape
+        assert allowed_index is not None or allowed.shape[0] == M, (allowed.shape, M)
+        assert allowed_index is None or (allowed_index.shape == (M,) and allowed_index.dtype == torch.int32)
     out = torch.empty(M, dtype=torch.int64, device=x.device)
     if M == 0:
         return out
@@ -194,8 +211,11 @@ def lm_head_argmax(
     upcast, prec = dot_flags(x.dtype)
     _tile_argmax_kernel[(triton.cdiv(M, cfg["block_m"]), num_tiles)](
         x, weight, part_val, part_idx, inv_temperature if noise else part_val, seeds if noise else part_idx,
-        M, N, K, x.stride(0), weight.stride(0), 1.0 if softcap is None else float(softcap),
-        HAS_SOFTCAP=softcap is not None, NOISE=noise, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        allowed if allowed is not None else part_idx, allowed_index if allowed_index is not None else part_idx,
+        M, N, K, x.stride(0), weight.stride(0), allowed.stride(0) if allowed is not None else 0,
+        1.0 if softcap is None else float(softcap),
+        HAS_SOFTCAP=softcap is not None, NOISE=noise, MASKED=allowed is not None,
+        MASK_INDEXED=allowed_index is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"], UPCAST=upcast, PREC=prec, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -114,23 +114,39 @@ class LMHead(nn.Module):
             return soft_cap(logits, self.final_softcap)
         return logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)  # in place, same ops
 
-    def greedy(self, hidden: torch.Tensor, embedding: VocabEmbedding) -> torch.Tensor:
+    def greedy(self, hidden: torch.Tensor, embedding: VocabEmbedding,
+               allowed: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """`[n]` int64: each row's argmax of the (soft-capped) logits, lowest index on ties. On CUDA
         a 16-bit model takes it without writing the logits (`kernels.lm_head_argmax`); elsewhere
-        it is the argmax of `forward`."""
+        it is the argmax of `forward`. `allowed` (structured outputs, one rank): `(masks, rows)` as
+        `runner.token_mask.apply_token_bitmask` takes them; those rows take the argmax over the tokens
+        their mask allows."""
         weight = embedding.weight if self.tied else self.weight
         # Deterministic mode too: the fused kernel's logits are bi_matmul's bit for bit (one MMA chain
         # along K), so a row's token is the argmax of the logits a mixed batch's Sampler sees; not
         # with a soft-cap, which it computes with other float ops than `soft_cap`.
         fused = not self.batch_invariant or self.final_softcap is None
         if self.parallel:
+            assert allowed is None, "masked greedy under tensor parallelism takes the gathered logits"
             return self._vocab_parallel_greedy(hidden, weight, fused)
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and fused:
             from swaserve.kernels.lm_head_argmax import lm_head_argmax
 
             x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-            return lm_head_argmax(x, weight, self.final_softcap)
-        return self.forward(hidden, embedding).argmax(dim=-1)
+            if allowed is None:
+                return lm_head_argmax(x, weight, self.final_softcap)
+            masks, rows = allowed
+            index = None
+            if rows is not None:  # row r's mask row, -1 where it has none
+                index = torch.full((x.shape[0],), -1, dtype=torch.int32, device=x.device)
+                index[rows] = torch.arange(rows.shape[0], dtype=torch.int32, device=x.device)
+            return lm_head_argmax(x, weight, self.final_softcap, allowed=masks, allowed_index=index)
+        logits = self.forward(hidden, embedding)
+        if allowed is not None:
+            from swaserve.runner.token_mask import apply_token_bitmask
+
+            apply_token_bitmask(logits, *allowed)
+        return logits.argmax(dim=-1)
 
     def _vocab_parallel_greedy(self, hidden: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
         """Tensor parallelism: each rank's best token in its vocabulary block (the fused kernel where it

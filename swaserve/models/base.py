@@ -223,9 +223,11 @@ class CausalLM(nn.Module):
         """`[n, hidden]` -> `[n, vocab]` float32 logits (into `out` when given)."""
         return self.lm_head(hidden, self.model.embed_tokens, out)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[n, hidden]` -> `[n]` int64: `compute_logits(hidden).argmax(-1)`, without the logits on a GPU."""
-        return self.lm_head.greedy(hidden, self.model.embed_tokens)
+    def greedy_tokens(self, hidden: torch.Tensor,
+                      allowed: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """`[n, hidden]` -> `[n]` int64: `compute_logits(hidden).argmax(-1)`, without the logits on a GPU;
+        `allowed`: structured outputs' masks (`LMHead.greedy`)."""
+        return self.lm_head.greedy(hidden, self.model.embed_tokens, allowed)
 
     def sample_tokens(
         self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor

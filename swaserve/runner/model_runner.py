@@ -215,10 +215,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor,
+                      allowed: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """`[n, hidden]` -> `[n]` int64: the argmax of `logits(hidden)`, without writing the logits on
-        a GPU (the LM head's largest output: 268 MB of float32 at 256 rows of Gemma)."""
-        return self.model.greedy_tokens(hidden)
+        a GPU (the LM head's largest output: 268 MB of float32 at 256 rows of Gemma). `allowed`: the
+        bitmasks of structured outputs' rows (`(masks, rows)`, device; rows None: every row), whose argmax
+        is over the tokens their mask allows."""
+        if allowed is None:
+            return self.model.greedy_tokens(hidden)
+        return self.model.greedy_tokens(hidden, allowed)
 
     @torch.inference_mode()
     def sample_tokens(

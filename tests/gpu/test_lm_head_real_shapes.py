@@ -44,6 +44,25 @@ def test_greedy_head_matches_library_argmax(hidden, bs):
     _check(lm_head_argmax(x, w), logits, f"hidden {hidden} bs {bs}")
 
 
+@pytest.mark.parametrize("bs", [7, 256])
+def test_masked_greedy_head_matches_masked_logits(bs):
+    """Structured outputs' greedy rows at Gemma's vocabulary: the fused head with bitmasks (every other row
+    constrained, a third of the tokens allowed) against the argmax of the logits with the rest at -inf."""
+    from swaserve.runner.token_mask import apply_token_bitmask
+
+    hidden = 1152
+    g = torch.Generator(device=DEV).manual_seed(bs)
+    w = torch.randn(VOCAB, hidden, device=DEV, generator=g, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(bs, hidden, device=DEV, generator=g, dtype=torch.bfloat16)
+    rows = torch.arange(0, bs, 2, device=DEV)
+    masks = torch.randint(-2**31, 2**31 - 1, (rows.numel(), VOCAB // 32), device=DEV, generator=g, dtype=torch.int32)
+    masks &= torch.randint(-2**31, 2**31 - 1, masks.shape, device=DEV, generator=g, dtype=torch.int32)
+    index = torch.full((bs,), -1, dtype=torch.int32, device=DEV)
+    index[rows] = torch.arange(rows.numel(), dtype=torch.int32, device=DEV)
+    logits = apply_token_bitmask(torch.mm(x, w.t(), out_dtype=torch.float32), masks, rows)
+    _check(lm_head_argmax(x, w, allowed=masks, allowed_index=index), logits, f"masked bs {bs}")
+
+
 def test_greedy_head_ties_and_last_tile():
     """Tied best rows in different vocab tiles give the lower index; the best token in the last tile
     (the vocab's end) is found."""

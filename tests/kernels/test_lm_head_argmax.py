@@ -70,6 +70,56 @@ def test_values_are_the_best_logits(device, seed, softcap):
     assert torch.equal(lm_head_argmax(x, w, softcap, **SMALL), got)  # asking for values changes nothing
 
 
+def _random_masks(g: torch.Generator, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[m, ceil(n/32)]` int32 bitmasks (about a third of the tokens allowed, sign bits included; one row
+    allowing a single token) and the same as `[m, n]` bool."""
+    allowed = torch.rand(m, n, generator=g) < 0.3
+    if m > 1:
+        allowed[1] = False
+        allowed[1, n - 1] = True  # a single allowed token, in the ragged last tile
+    words = torch.zeros(m, (n + 31) // 32 * 32, dtype=torch.int64)
+    words[:, :n] = allowed.long()
+    words = (words.view(m, -1, 32) << torch.arange(32)).sum(-1)  # bit b of each word, as uint32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32), allowed
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["every_row", "some_rows"])
+@pytest.mark.parametrize("noise", [False, True], ids=["greedy", "sampled"])
+def test_masked_rows_take_the_best_allowed_token(device, seed, indexed, noise):
+    """Structured outputs: a row with a mask gets the argmax of its logits with every disallowed token at
+    -inf (greedy), or of its noisy scores likewise (sampled); rows without one (`allowed_index` -1) are
+    untouched."""
+    g = torch.Generator().manual_seed(seed)
+    m, n, k = 9, 200, 64
+    x = torch.randn(m, k, generator=g).to(device)
+    w = torch.randn(n, k, generator=g).to(device)
+    ref = _ref_logits(x, w, None)
+    kw = {}
+    if noise:
+        inv_t = torch.full((m,), 1.5)
+        inv_t[0] = 0.0  # a greedy row among sampled ones
+        seeds = torch.randint(0, 2**62, (m,), generator=g)
+        ref = torch.where(inv_t[:, None].double().to(ref.device) > 0, ref * inv_t[:, None].double().to(ref.device)
+                          + torch.from_numpy(gumbel_noise_ref(seeds.numpy(), np.arange(n))).double().to(ref.device), ref)
+        kw = {"inv_temperature": inv_t.to(device), "seeds": seeds.to(device)}
+    if indexed:
+        rows = [1, 4, 6]
+        words, allowed = _random_masks(g, len(rows), n)
+        index = torch.full((m,), -1, dtype=torch.int32)
+        index[rows] = torch.arange(len(rows), dtype=torch.int32)
+        full = torch.ones(m, n, dtype=torch.bool)
+        full[rows] = allowed
+        got = lm_head_argmax(x, w, None, allowed=words.to(device), allowed_index=index.to(device), **kw, **SMALL)
+    else:
+        words, full = _random_masks(g, m, n)
+        got = lm_head_argmax(x, w, None, allowed=words.to(device), **kw, **SMALL)
+    masked = ref.masked_fill(~full.to(ref.device), float("-inf"))
+    assert full.gather(1, got.cpu()[:, None]).all(), "a disallowed token"
+    _assert_argmax(got, x, w, None, seed, masked)
+    if not indexed:
+        assert got[1].item() == n - 1  # the only token its mask allows
+
+
 @pytest.mark.parametrize("m", [3, SMALL_M + 2])  # both launch settings
 def test_default_launch_settings(device, seed, m):
     g = torch.Generator().manual_seed(seed)

@@ -14,6 +14,7 @@ import swaserve.launcher as launcher_mod
 from swaserve.grammar import SequenceGrammar
 from swaserve.launcher import StepLauncher
 from swaserve.request import SamplingParams
+from swaserve.runner import token_mask
 from swaserve.runner.cpu_graph import CpuGraphRunner
 from swaserve.scheduler.req import Req
 
@@ -63,7 +64,8 @@ def test_masks_on_padded_graph_decode(tmp_path, monkeypatch):
         shapes.append((logits.shape[0], masks.shape[0], rows.tolist() if rows is not None else None))
         return real(logits, masks, rows)
 
-    monkeypatch.setattr(launcher_mod, "apply_token_bitmask", spy)
+    monkeypatch.setattr(launcher_mod, "apply_token_bitmask", spy)  # the logits path (sampled rows)
+    monkeypatch.setattr(token_mask, "apply_token_bitmask", spy)  # greedy rows: the LM head's (`LMHead.greedy`)
     replays: list[int] = []
     graphs = graph.runner.graph_runner
     real_replay = graphs.replay
