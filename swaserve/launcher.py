@@ -247,8 +247,9 @@ class StepLauncher:
             self.masked_rows += len(masks.rows)
         fast = head_greedy if head_greedy is not None else self.lead is None
         if plan.greedy and fast:  # the common case: no logits, no per-row host work (masked rows too)
-            allowed = None if masks is None else self._device_masks(masks)
-            return SamplerOutput(self.runner.greedy_tokens(hidden, allowed), None, None, None), None
+            tokens = (self.runner.greedy_tokens(hidden) if masks is None
+                      else self.runner.greedy_tokens(hidden, self._device_masks(masks)))
+            return SamplerOutput(tokens, None, None, None), None
         if plan.greedy:  # tensor parallelism: the gathered (masked) logits' argmax (what the Sampler would take)
             logits = self.runner.logits(hidden) if masks is None else self._masked_logits(hidden, masks)
             return SamplerOutput(logits.argmax(dim=-1), None, None, None), None

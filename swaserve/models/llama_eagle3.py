@@ -97,9 +97,10 @@ class Eagle3Head(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[n, hidden]` -> `[n]` int64 target ids of the draft vocabulary's argmax."""
-        return self.to_target(self.lm_head.greedy(hidden, self.embed_tokens))  # type: ignore[arg-type]
+    def greedy_tokens(self, hidden: torch.Tensor, allowed: tuple | None = None) -> torch.Tensor:
+        """`[n, hidden]` -> `[n]` int64 target ids of the draft vocabulary's argmax (`allowed`: masks over
+        the draft vocabulary, `LMHead.greedy`; only the runner's warm-up passes any)."""
+        return self.to_target(self.lm_head.greedy(hidden, self.embed_tokens, allowed))  # type: ignore[arg-type]
 
     def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
         return self.to_target(self.lm_head.sample(hidden, self.embed_tokens, inv_temperature, seeds))  # type: ignore[arg-type]

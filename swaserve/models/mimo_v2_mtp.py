@@ -114,9 +114,9 @@ class MiMoMTPHead(nn.Module):
         assert self.lm_head is not None, "share_target() first"
         return self.lm_head(hidden, self.embed_tokens, out)  # type: ignore[arg-type]
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor, allowed: tuple | None = None) -> torch.Tensor:
         assert self.lm_head is not None, "share_target() first"
-        return self.lm_head.greedy(hidden, self.embed_tokens)  # type: ignore[arg-type]
+        return self.lm_head.greedy(hidden, self.embed_tokens, allowed)  # type: ignore[arg-type]
 
     def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "share_target() first"

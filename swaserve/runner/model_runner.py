@@ -155,14 +155,14 @@ class ModelRunner:
         self.logits(hidden)
         if hidden.is_cuda and self.deterministic:
             for n in (1, 65):  # the fused head's two launch settings (soft-capped heads: logits + argmax)
-                self.greedy_tokens(hidden.new_zeros(n, hidden.shape[1]))
+                self._warm_greedy(hidden.new_zeros(n, hidden.shape[1]))
         elif hidden.is_cuda and not tp_group().enabled:  # (tensor parallelism: logits + argmax, as above)
             from swaserve.kernels.lm_head_argmax import SMALL_M, gumbel_noise
             from swaserve.kernels.top_p import top_p_threshold
 
             for n in (1, SMALL_M + 1):  # the head's two launch settings, greedy and sampling
                 h = hidden.new_zeros(n, hidden.shape[1])
-                self.greedy_tokens(h)
+                self._warm_greedy(h)
                 seeds = torch.zeros(n, dtype=torch.int64, device=h.device)
                 self.sample_tokens(h, torch.ones(n, device=h.device), seeds)
             vocab = self.model_config.vocab_size
@@ -171,6 +171,14 @@ class ModelRunner:
         if self.graph_runner is None:
             self.forward(ForwardBatch.build(ForwardMode.DECODE, None, ext, [0] * len(ext), [n + 1 for n in ext],
                                             torch.zeros(len(ext), dtype=torch.int64), self.device))
+
+    def _warm_greedy(self, h: torch.Tensor) -> None:
+        """The greedy head on `h`, plain and with structured outputs' masks (every row; some rows)."""
+        self.greedy_tokens(h)
+        every = torch.full((h.shape[0], (self.model_config.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                           device=h.device)
+        self.greedy_tokens(h, (every, None))
+        self.greedy_tokens(h, (every[:1], torch.zeros(1, dtype=torch.int64, device=h.device)))
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, token_indices: torch.Tensor | None = None) -> torch.Tensor:
