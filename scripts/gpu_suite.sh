@@ -17,7 +17,7 @@
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
-# (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b (structured
+# (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
 # outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
 # tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py), fp8_g4 (Gemma-4-26B-A4B --quantization fp8 vs
@@ -134,8 +134,10 @@ for step in "${steps[@]}"; do
             # installed (`python benchmarks/fp8_kv.py --parts agreement`)
             run fp8_kv_bench 540 python3 benchmarks/fp8_kv.py --shape 12b --kv-gib 40 --decode-shape 4b --ctx 8192 \
                 --bs 64 --probes 64 --parts "${FP8_KV_PARTS:-capacity,decode}" ;;
-        so_1b)  # issue 38: 256 concurrent requests with a JSON schema vs without (1B shape, random weights)
-            run so_1b 300 python3 benchmarks/structured_outputs.py --shape 1b ${SO_ARGS:-} ;;
+        so_1b|so_4b)  # issue 38: 256 concurrent requests with a JSON schema vs without (1B / 4B shape, random
+            # weights; the 4B's step is the device's, not the host loop's). SO_ARGS adds options, e.g. --fill-threads 1,2
+            # shellcheck disable=SC2086  # the options are words
+            run "$step" 300 python3 benchmarks/structured_outputs.py --shape "${step#so_}" ${SO_ARGS:-} ;;
         serve)
             d=$(model_dir gemma4-26b-a4b)
             run serve 420 python3 benchmarks/serve_stress.py --launch --model "$d" --load-format dummy \
