@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[2] / "swaserve"
 PLANES: list[tuple[str, tuple[str, ...]]] = [
     # plain data and helpers everything may use
     ("base", ("config.py", "request.py", "h2d.py", "detokenizer.py", "structured_outputs.py")),
-    # Triton kernels; the tensor-parallel group and the collectives layers call
-    ("primitives", ("kernels/", "distributed/state.py")),
+    # Triton kernels; the tensor-parallel group and the collectives layers call; structured outputs'
+    # token bitmasks applied to logits (the LM head's greedy path applies them too)
+    ("primitives", ("kernels/", "distributed/state.py", "runner/token_mask.py")),
     # request table, allocators, KV pools, SWA mapping, planner
     ("memory", ("memory/",)),
     # the device-side step description handed down to attention, layers and models
