@@ -156,7 +156,8 @@ class StepLauncher:
         the device runs the model), record the tokens and start their copy to the host."""
         assert step.deferred is not None
         (hidden, rows), step.deferred = step.deferred, None
-        plan, step.plan = step.plan or self._prepare(step.reqs, rows, background=False), None
+        plan, step.plan = step.plan or self._prepare(step.reqs, rows, background=False,
+                                                     constrained=step.constrained), None
         out, step.asked = self._finish(hidden, plan, step.head_greedy)
         if self.lead is not None:
             self.lead.share(out.next_token_ids)
@@ -214,13 +215,14 @@ class StepLauncher:
         return self._finish(hidden, self._prepare(reqs, rows, background=False), head_greedy)
 
     def _prepare(self, reqs: list[Req], rows: torch.Tensor, background: bool,
-                 masks: MaskJob | None = None) -> SamplePlan:
+                 masks: MaskJob | None = None, constrained: bool | None = None) -> SamplePlan:
         """The host's part of `sample`, which reads the requests' state as it is now. Structured outputs:
         the allowed-token bitmasks of the rows with a live grammar start filling (inline, or on the worker
-        thread with `background`), unless `masks` is their fill already started."""
+        thread with `background`), unless `masks` is their fill already started. `constrained`: whether
+        any row has a grammar, when the caller knows (None: looked up)."""
         params = [r.params for r in reqs]
         distinct = distinct_params(params)
-        if masks is None:
+        if masks is None and constrained is not False:
             masks = self._start_masks(reqs, background)
         greedy = is_plain_greedy(distinct)
         return SamplePlan(params, greedy, None if greedy else self._sampling_batch(reqs, params, distinct, rows), masks)

@@ -35,7 +35,6 @@ class VerifiedStep:
     logprobs: list[dict[int, float] | None] | None
     prompt: PromptScores | None = None  # prompt logprobs its prefill chunks scored
     constrained = False  # its tokens advance grammars as they are appended (several a row)
-    deferred = None  # sampled already
 
     def wait(self) -> tuple[list[list[int]], list[dict[int, float] | None] | None]:
         return self.tokens, self.logprobs
