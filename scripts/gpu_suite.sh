@@ -22,7 +22,7 @@
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
 # tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py), fp8_g4 (Gemma-4-26B-A4B --quantization fp8 vs
 # bf16: probes and decode table, benchmarks/fp8_weights.py) and fp8_kv (the FP8 KV cache: kernel tests
-# natively, tests/gpu/test_fp8_kv_gpu.py (FP8_KV_TESTS: a -k filter), benchmarks/fp8_kv.py) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
+# natively with tests/gpu/test_unified_fp8_gpu.py, tests/gpu/test_fp8_kv_gpu.py (FP8_KV_TESTS: a -k filter), benchmarks/fp8_kv.py) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
 # its released shape in FP8, TP=4: decode table and offline run, then 200 @ 128 served); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
 # table; EP_ARGS adds offline_throughput.py options), scaling (the same table over SCALE_LAYOUTS, default
@@ -126,8 +126,8 @@ for step in "${steps[@]}"; do
                 --contexts "${FP8_G4_CTX:-1024,8192}" --steps 32 --warmup 4 --probes 64 --max-tokens 32 ;;
         fp8_kv)  # issue 37 part 3: the FP8 KV kernel tests natively, the FP8-vs-bf16 KV GPU test (graphs on), then KV
             # tokens at 32k (12B shape, 40 GiB), decode at bs 64 x 8k (4B shape) and 64-probe greedy agreement (270M)
-            SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_kv_kernels 200 python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_fp8_kv.py
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_kv_kernels 300 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_fp8_kv.py tests/gpu/test_unified_fp8_gpu.py
             run fp8_kv_gpu 300 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_fp8_kv_gpu.py \
                 ${FP8_KV_TESTS:+-k "$FP8_KV_TESTS"}
             # the agreement part needs the embedded model's package, absent on the GPU machines: run it where
