@@ -7,7 +7,9 @@ submission to the step that returned the first token), the host time spent filli
 fill worker's thread) and what of it the step loop waited for, the time it waited for the device to return
 a step's tokens (near 0 where the host is the limit), and the schema's compile time cold (first
 compile; xgrammar's vocabulary table reported apart) and cached. `--fill-threads 2,4,8` runs the
-constrained set again at each most-threads setting of the mask fill (`grammar_threads`).
+constrained set again at each most-threads setting of the mask fill (`grammar_threads`). The engine runs
+as the server's engine core runs it (`detokenize=False`: its frontends turn tokens into text in their own
+processes); `--detokenize` runs it as `LLM.generate` does (text built in the step loop).
 
     python benchmarks/structured_outputs.py [--shape 1b] [--num-requests 256] [--output-len 256]
     python benchmarks/structured_outputs.py --smoke     # tiny CPU run (CI)
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_device, bench_dtype, hardware, model_dir, now, parse_args  # noqa: E402
+from common import bench_device, bench_dtype, hardware, model_dir, now, parse_args
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "text": {"type": "string"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma list: the constrained run again with each most-threads setting (grammar_threads)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads first (the host's intra-op pool beside the mask fill threads)")
+    ap.add_argument("--detokenize", action="store_true",
+                    help="build each sequence's text in the step loop (LLM.generate), not in frontends (served)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also run each mode once more under cProfile and print its top host functions")
     ap.add_argument("--host-only", action="store_true", help="no model: the host's accept and mask fill per row")
     ap.add_argument("--steps", type=int, default=16, help="--host-only: steps timed per round")
     ap.add_argument("--rounds", type=int, default=3, help="--host-only: rounds (the best is reported)")
@@ -64,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     dev = bench_device(a.smoke)
     dtype = bench_dtype(dev)
     engine = Engine(model_dir(a.shape, tokenizer="embedded"), device=dev, dtype=dtype, load_format="dummy",
-                    max_running_requests=a.num_requests, max_context=a.input_len + a.output_len + 8)
+                    max_running_requests=a.num_requests, max_context=a.input_len + a.output_len + 8,
+                    detokenize=a.detokenize)
     spec = StructuredOutputs(json=SCHEMA)
     t = time.perf_counter()
     engine._compile_constraint(SamplingParams(structured_outputs=spec))  # the schema, cold (+ vocab table)
@@ -104,10 +111,13 @@ def main(argv: list[str] | None = None) -> None:
                    device_wait_ms_per_step=round(device_ms / max(steps, 1), 2))
         rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
+        if a.profile:  # a separate run: the profiler's own cost stays out of the numbers above
+            profile_run(engine, prompts, params, name)
     base, constrained = rows[:2]
     ratio = constrained["out_tok_per_s"] / base["out_tok_per_s"] if base["out_tok_per_s"] else 0.0
     print(json.dumps(dict(kind="summary", tok_per_s_ratio=round(ratio, 3), hardware=hardware())), flush=True)
-    print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}:")
+    where = "text built in the step loop (LLM.generate)" if a.detokenize else "engine core as served (frontends detokenize)"
+    print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}, {where}:")
     print(f"  {'mode':<18} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
           f"{'mask fill ms/step':>18} {'loop waited ms/step':>20} {'for device':>10}")
     for r in rows:
@@ -116,6 +126,20 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['mask_wait_ms_per_step']:>20} {r['device_wait_ms_per_step']:>10}")
     print(f"  constrained / unconstrained: {ratio:.1%}; schema compile {cold_ms:.1f} ms cold (vocabulary table "
           f"{vocab_ms:.0f} ms, once per process), {cached_ms * 1e3:.1f} us cached")
+
+
+def profile_run(engine, prompts: list[list[int]], params, tag: str) -> None:
+    """`run` under cProfile: the host functions that took the most time of their own (the profiler
+    inflates Python-heavy ones, so compare modes with each other, not with the timed rows)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run(engine, prompts, params, f"{tag}-profiled")
+    prof.disable()
+    print(f"== host profile, {tag} (tottime)", flush=True)
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
 
 
 def run(engine, prompts: list[list[int]], params, tag: str) -> dict:

@@ -288,7 +288,7 @@ class RunnerConfig:
     grammar_cache_size: int = _opt(
         128, "compiled grammars kept for structured outputs and forced tool calls (least recently used go first)")
     grammar_threads: int | None = _opt(
-        None, "most threads filling structured outputs' token masks each step, one per 256 constrained rows "
+        None, "most threads filling structured outputs' token masks each step, one per 64 constrained rows "
         "(default: a quarter of this process's CPUs, at most 8)")
 
 

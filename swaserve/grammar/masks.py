@@ -16,16 +16,17 @@ import torch
 
 from swaserve.grammar.matcher import SequenceGrammar
 
-# Rows per xgrammar thread at least. At 256 constrained rows (1B shape, H200 hosts of 16 and 32 cores) one
-# fill thread gave the most output tok/s, 1 > 2 > 4 = 8 (benchmarks/structured_outputs.py --fill-threads):
-# the fill runs beside the step loop either way, and more threads slow the loop's own thread more than
-# they shorten a fill that already ends in time.
-_ROWS_PER_THREAD = 256
+# Rows per xgrammar thread at least. At 256 constrained rows of the 1B shape, stepped as the server's engine
+# core steps (frontends detokenize), on a 16-core H200 host: 1 / 2 / 4 fill threads gave 47.0k / 48.3k / 53.9k
+# output tok/s against 72.3k unconstrained (benchmarks/structured_outputs.py --fill-threads, 2026-11-29): the
+# loop waits for the masks there, so a shorter fill is a shorter step. (With the text built in the step loop
+# the loop itself was the limit and one thread did best: more of them slowed it.)
+_ROWS_PER_THREAD = 64
 _MAX_THREADS = 8
 
 
 def fill_threads(rows: int, most: int | None = None) -> int:
-    """xgrammar threads for filling `rows` masks: one per 256 rows, at most `most` (the `grammar_threads`
+    """xgrammar threads for filling `rows` masks: one per 64 rows, at most `most` (the `grammar_threads`
     option), by default a quarter of the CPUs this process may run on (xgrammar's "auto" counts the whole
     machine's) and at most 8."""
     if most is None:

@@ -108,6 +108,7 @@ def test_background_fill_equals_inline(compiled):
 
 
 def test_fill_threads():
-    assert fill_threads(1) == 1 and fill_threads(256) == 1  # one thread beside the step loop did best
-    assert 1 <= fill_threads(4096) <= 8
-    assert fill_threads(1024, 3) == 3 and fill_threads(300, 8) == 2 and fill_threads(1024, 0) == 1
+    assert fill_threads(1) == 1 and fill_threads(64, 8) == 1 and fill_threads(65, 8) == 2  # a thread per 64 rows
+    assert fill_threads(256, 8) == 4 and fill_threads(300, 8) == 5 and fill_threads(4096, 8) == 8
+    assert 1 <= fill_threads(4096) <= 8  # the default: a quarter of this process's CPUs, at most 8
+    assert fill_threads(1024, 3) == 3 and fill_threads(1024, 0) == 1
