@@ -7,7 +7,9 @@ submission to the step that returned the first token), the host time spent filli
 fill worker's thread) and what of it the step loop waited for, the time it waited for the device to return
 a step's tokens (near 0 where the host is the limit), and the schema's compile time cold (first
 compile; xgrammar's vocabulary table reported apart) and cached. `--fill-threads 2,4,8` runs the
-constrained set again at each most-threads setting of the mask fill (`grammar_threads`). The engine runs
+constrained set again at each most-threads setting of the mask fill (`grammar_threads`). `--repeat` rounds
+run every mode in turn; the table shows each mode's median run (one run of each varied by up to a third
+between rounds on one GPU host). The engine runs
 as the server's engine core runs it (`detokenize=False`: its frontends turn tokens into text in their own
 processes); `--detokenize` runs it as `LLM.generate` does (text built in the step loop).
 
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma list: the constrained run again with each most-threads setting (grammar_threads)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads first (the host's intra-op pool beside the mask fill threads)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="rounds of every mode in turn; the table shows each mode's median run")
     ap.add_argument("--detokenize", action="store_true",
                     help="build each sequence's text in the step loop (LLM.generate), not in frontends (served)")
     ap.add_argument("--profile", action="store_true",
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host-only", action="store_true", help="no model: the host's accept and mask fill per row")
     ap.add_argument("--steps", type=int, default=16, help="--host-only: steps timed per round")
     ap.add_argument("--rounds", type=int, default=3, help="--host-only: rounds (the best is reported)")
-    a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=4, input_len=12, output_len=6, steps=2, rounds=1))
+    a = parse_args(ap, argv, smoke=dict(shape="tiny", num_requests=4, input_len=12, output_len=6, steps=2, rounds=1,
+                                        repeat=2))
     if a.host_only:
         from grammar_host import host_only, report
 
@@ -90,42 +95,57 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [[rng.randint(10, min(200_000, vocab - 1)) for _ in range(a.input_len)] for _ in range(a.num_requests)]
     warm = SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
     run(engine, prompts[:2], warm, "warm")  # first-use costs (kernels, the mask path) out of the runs
-    rows = []
     modes = [("unconstrained", None, None), ("json_schema", spec, None)]
     modes += [(f"json_schema t={t}", spec, int(t)) for t in a.fill_threads.split(",") if t]
-    for name, so, threads in modes:
-        engine.launcher.grammar_threads = threads  # None: the default
-        params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=so is None, structured_outputs=so)
-        before = engine.counters()
-        row = dict(kind="run", mode=name, shape=a.shape, **run(engine, prompts, params, name))
-        after = engine.counters()
-        fill_ms = after["grammar_mask_fill_ms_total"] - before["grammar_mask_fill_ms_total"]
-        wait_ms = after["grammar_mask_wait_ms_total"] - before["grammar_mask_wait_ms_total"]
-        masked = after["grammar_masked_rows_total"] - before["grammar_masked_rows_total"]
-        device_ms = after["step_wait_ms_total"] - before["step_wait_ms_total"]
-        steps = row.pop("steps")
-        row.update(steps=steps, step_ms=round(row["seconds"] * 1e3 / max(steps, 1), 2),
-                   mask_fill_ms_per_step=round(fill_ms / max(steps, 1), 2),
-                   mask_fill_us_per_row=round(fill_ms * 1e3 / masked, 1) if masked else 0.0,
-                   mask_wait_ms_per_step=round(wait_ms / max(steps, 1), 2),
-                   device_wait_ms_per_step=round(device_ms / max(steps, 1), 2))
-        rows.append(row)
-        print(json.dumps(rows[-1]), flush=True)
-        if a.profile:  # a separate run: the profiler's own cost stays out of the numbers above
-            profile_run(engine, prompts, params, name)
+    runs: dict[str, list[dict]] = {m[0]: [] for m in modes}
+    for rep in range(a.repeat):  # the modes in turn, `--repeat` rounds: drift and first-run costs spread evenly
+        for name, so, threads in modes:
+            engine.launcher.grammar_threads = threads  # None: the default
+            params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=so is None,
+                                    structured_outputs=so)
+            row = measured_run(engine, prompts, params, name, a.shape)
+            runs[name].append(row)
+            print(json.dumps({**row, "round": rep}), flush=True)
+            if a.profile and rep == 0:  # a separate run: the profiler's own cost stays out of the numbers
+                profile_run(engine, prompts, params, name)
+    rows = [median_row(runs[m[0]]) for m in modes]  # each mode's run of median tok/s
     base, constrained = rows[:2]
     ratio = constrained["out_tok_per_s"] / base["out_tok_per_s"] if base["out_tok_per_s"] else 0.0
-    print(json.dumps(dict(kind="summary", tok_per_s_ratio=round(ratio, 3), hardware=hardware())), flush=True)
+    print(json.dumps(dict(kind="summary", tok_per_s_ratio=round(ratio, 3), rounds=a.repeat,
+                          ratios_by_round=[round(c["out_tok_per_s"] / b["out_tok_per_s"], 3)
+                                           for b, c in zip(runs["unconstrained"], runs["json_schema"])],
+                          hardware=hardware())), flush=True)
     where = "text built in the step loop (LLM.generate)" if a.detokenize else "engine core as served (frontends detokenize)"
     print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}, {where}:")
-    print(f"  {'mode':<18} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
+    print(f"  {'mode':<22} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
           f"{'mask fill ms/step':>18} {'loop waited ms/step':>20} {'for device':>10}")
     for r in rows:
-        print(f"  {r['mode']:<18} {r['out_tok_per_s']:>10} {r['ttft_p50_ms']:>12} {r['ttft_p99_ms']:>12} "
+        print(f"  {r['mode']:<22} {r['out_tok_per_s']:>10} {r['ttft_p50_ms']:>12} {r['ttft_p99_ms']:>12} "
               f"{r['output_tokens']:>8} {r['step_ms']:>8} {r['mask_fill_ms_per_step']:>18} "
               f"{r['mask_wait_ms_per_step']:>20} {r['device_wait_ms_per_step']:>10}")
-    print(f"  constrained / unconstrained: {ratio:.1%}; schema compile {cold_ms:.1f} ms cold (vocabulary table "
+    print(f"  constrained / unconstrained: {ratio:.1%} (medians of {a.repeat} rounds of the modes in turn); schema compile {cold_ms:.1f} ms cold (vocabulary table "
           f"{vocab_ms:.0f} ms, once per process), {cached_ms * 1e3:.1f} us cached")
+
+
+def measured_run(engine, prompts: list[list[int]], params, name: str, shape: str) -> dict:
+    """`run` with the engine's counters read around it: mask fill and waits per step."""
+    before = engine.counters()
+    row = dict(kind="run", mode=name, shape=shape, **run(engine, prompts, params, name))
+    after = engine.counters()
+    fill_ms = after["grammar_mask_fill_ms_total"] - before["grammar_mask_fill_ms_total"]
+    wait_ms = after["grammar_mask_wait_ms_total"] - before["grammar_mask_wait_ms_total"]
+    masked = after["grammar_masked_rows_total"] - before["grammar_masked_rows_total"]
+    device_ms = after["step_wait_ms_total"] - before["step_wait_ms_total"]
+    steps = max(row["steps"], 1)
+    row.update(step_ms=round(row["seconds"] * 1e3 / steps, 2), mask_fill_ms_per_step=round(fill_ms / steps, 2),
+               mask_fill_us_per_row=round(fill_ms * 1e3 / masked, 1) if masked else 0.0,
+               mask_wait_ms_per_step=round(wait_ms / steps, 2), device_wait_ms_per_step=round(device_ms / steps, 2))
+    return row
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The run of median output tok/s (the lower middle one of an even count)."""
+    return sorted(rows, key=lambda r: r["out_tok_per_s"])[(len(rows) - 1) // 2]
 
 
 def profile_run(engine, prompts: list[list[int]], params, tag: str) -> None:
