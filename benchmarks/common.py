@@ -172,10 +172,10 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
     """A LoadedModel of `shape` (see `hf_config`) with random weights (no tokenizer: prompts are token ids).
     `quantization="fp8"`: online FP8 as `--quantization fp8 --load-format dummy` builds it, holding the
     same random weights as the unquantised model quantised."""
-    from swaserve.config import ModelConfig
     from swaserve.layers.fp8 import with_online_fp8
     from swaserve.loader import LoadedModel
     from swaserve.loader.dummy import init_dummy_weights
+    from swaserve.model_config import ModelConfig
     from swaserve.models.registry import build_model
 
     hf = hf_config(shape, max_positions)

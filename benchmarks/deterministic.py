@@ -38,8 +38,8 @@ from profiling import by_launch_shape  # noqa: E402
 def load(model: str, device: torch.device, dtype: torch.dtype, tp: int = 1):
     """The model every engine of the run serves: loaded once (random weights), or under tensor
     parallelism a config directory each engine's ranks draw the same weights from (`.config` either way)."""
-    from swaserve.config import ModelConfig
     from swaserve.loader import load_hf_config, load_model
+    from swaserve.model_config import ModelConfig
 
     if tp > 1:
         path = model if Path(model).is_dir() else model_dir(model)

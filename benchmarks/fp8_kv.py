@@ -43,8 +43,9 @@ CACHES = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8_e4m3"},
 
 def capacity(shape: str, kv_gib: float, ctx: int, step: int) -> list[dict]:
     """The planner's pools for `ctx`-token requests, per cache."""
-    from swaserve.config import CacheConfig, ModelConfig
+    from swaserve.config import CacheConfig
     from swaserve.memory.planner import plan_memory
+    from swaserve.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf(hf_config(shape, max_positions=ctx), max_context=ctx)
     rows = []
@@ -57,14 +58,16 @@ def capacity(shape: str, kv_gib: float, ctx: int, step: int) -> list[dict]:
     return rows
 
 
-def decode_times(shape: str, bs: int, ctx: int, steps: int, warm: int, dev, dtype) -> list[dict]:
+def decode_times(shape: str, bs: int, ctx: int, steps: int, warm: int, dev, dtype,
+                 deterministic: bool = False) -> list[dict]:
     from swaserve.engine import Engine
 
     bw = copy_bandwidth(dev)
     loaded = random_model(shape, dev, dtype, max_positions=ctx + 2 * (steps + warm) + 64)
     rows = []
     for name, opts in CACHES.items():
-        engine = Engine(loaded, device=dev, dtype=dtype, **engine_options([bs], [ctx], steps, warm), **opts)
+        engine = Engine(loaded, device=dev, dtype=dtype, **engine_options([bs], [ctx], steps, warm), **opts,
+                        enable_deterministic_inference=deterministic)
         r = bench_point(engine, loaded, bs, ctx, steps, warm, bw, seed=bs * 7 + ctx)
         rows.append(dict(cache=name, **r))
         release(engine, dev)
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--probes", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="the decode part in deterministic mode (batch-invariant kernels; FP8 pools' decode tiles differ)")
     ap.add_argument("--parts", default="capacity,decode,agreement",
                     help="which numbers (the agreement needs the embedded model's package: on a GPU machine "
                          "without it, run `--parts agreement` where it is installed)")
@@ -109,9 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     caps = {r["cache"]: r for r in capacity(a.shape, a.kv_gib, a.context, 8192)} if "capacity" in parts else {}
     for r in caps.values():
         print(json.dumps(dict(part="capacity", shape=a.shape, kv_gib=a.kv_gib, context=a.context, **r)), flush=True)
-    times = decode_times(a.decode_shape, a.bs, a.ctx, a.steps, a.warmup, dev, dtype) if "decode" in parts else []
+    times = (decode_times(a.decode_shape, a.bs, a.ctx, a.steps, a.warmup, dev, dtype, a.deterministic)
+             if "decode" in parts else [])
     for r in times:
-        print(json.dumps(dict(part="decode", shape=a.decode_shape, **r)), flush=True)
+        print(json.dumps(dict(part="decode", shape=a.decode_shape, deterministic=a.deterministic, **r)), flush=True)
     agree: dict = {}
     if "agreement" in parts:
         if a.smoke:  # the embedded 270M is minutes on a CPU: the tiny random shape instead

@@ -27,8 +27,8 @@ def tiny_gemma3():
     """A one-layer Gemma 3 with a 512-token vocabulary: real engine plumbing, negligible compute."""
     from transformers import Gemma3TextConfig
 
-    from swaserve.config import ModelConfig
     from swaserve.loader import LoadedModel
+    from swaserve.model_config import ModelConfig
     from swaserve.models.registry import build_model
 
     hf = Gemma3TextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=1,

@@ -14,13 +14,14 @@ import torch
 from typing_extensions import Self
 
 from swaserve.admission import check_options, prompt_ids
-from swaserve.config import ModelConfig, split_engine_options
+from swaserve.config import split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
 from swaserve.grammar import GrammarCompiler, SequenceGrammar, accept_tokens
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.memory.planner import kv_dtype_name
+from swaserve.model_config import ModelConfig
 from swaserve.request import RequestOutput, SamplingParams
 from swaserve.request_group import RequestGroup, SeqDelta, group_output, prompt_logprobs_of
 from swaserve.scheduler.req import Req

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from swaserve.config import ModelConfig, RunnerConfig, SchedulerConfig
+from swaserve.config import RunnerConfig, SchedulerConfig
 from swaserve.loader import LoadedModel
+from swaserve.model_config import ModelConfig
 
 CPU_DEFAULT_MAX_CONTEXT = 4096  # keeps the CPU pools and request table small; override with max_context
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swaserve.config import CacheConfig, KVGroup, ModelConfig, RunnerConfig, SchedulerConfig
+from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
 from swaserve.distributed.state import tp_group
 from swaserve.memory import (
     MemoryPlan,
@@ -20,6 +20,7 @@ from swaserve.memory import (
     TokenToKVPoolAllocator,
     plan_memory,
 )
+from swaserve.model_config import KVGroup, ModelConfig
 from swaserve.prefix_cache import RadixCache
 from swaserve.prefix_cache.integrity import check_tree
 from swaserve.runner.memory_budget import device_memory_gib, kv_budget_bytes

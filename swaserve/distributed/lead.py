@@ -39,9 +39,9 @@ def check_model_splits(model: str | None, size: int, expert_parallel: bool = Fal
     expert parallelism is asked of a model without routed experts: built on the meta device as ranks 0
     and 1 of `size` (rank 1's cuts are the first that can fall inside an FP8 block), before any process
     starts."""
-    from swaserve.config import ModelConfig
     from swaserve.distributed.state import ExpertSplit
     from swaserve.loader import load_hf_config
+    from swaserve.model_config import ModelConfig
     from swaserve.models.registry import get_model_class
 
     hf = load_hf_config(model)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swaserve.config import ModelConfig
 from swaserve.layers.fp8 import QUANTIZATIONS, with_online_fp8
+from swaserve.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from torch import nn

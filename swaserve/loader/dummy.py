@@ -19,7 +19,7 @@ from swaserve.layers.moe import StackedExperts
 from swaserve.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from swaserve.config import ModelConfig
+    from swaserve.model_config import ModelConfig
 
 # 1-d parameters that multiply activations (an identity at 1), not biases or deltas (at 0).
 _MULTIPLIERS = ("layer_scalar", "router.scale", "per_expert_scale")

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from swaserve.config import ModelConfig
 from swaserve.loader.safetensors import iter_safetensors, safetensors_files
+from swaserve.model_config import ModelConfig
 
 
 def load_hf_config(path: str | Path) -> Any:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swaserve.config import KVGroup
 from swaserve.memory.window import swa_slots_kept
+from swaserve.model_config import KVGroup
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.table_ops import TableOp
 
 if TYPE_CHECKING:
-    from swaserve.config import ModelConfig
+    from swaserve.model_config import ModelConfig
 
 
 class SWAKVPool:

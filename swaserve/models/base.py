@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from swaserve.config import FULL, SLIDING, ModelConfig, layer_attention_shape
 from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import LMHead, VocabEmbedding
 from swaserve.layers.linear import MergedLinear
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm, add_norm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
+from swaserve.model_config import FULL, SLIDING, ModelConfig, layer_attention_shape
 from swaserve.models.kv_scales import layer_kv_scales, take_kv_scale
 from swaserve.models.quantization import apply_fp8, check_quant_method, keep_stored_dtypes
 

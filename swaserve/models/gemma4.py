@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from swaserve.config import FULL
 from swaserve.layers.activation import get_activation
 from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import VocabEmbedding
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.moe import NormRouter, StackedExperts, routed_rows
 from swaserve.layers.norm import RMSNorm, add_norm
+from swaserve.model_config import FULL
 from swaserve.models.base import CausalLM, keep_aux_hidden
 
 if TYPE_CHECKING:

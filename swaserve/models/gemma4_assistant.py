@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from swaserve.config import FULL, SLIDING, ModelConfig, layer_attention_shape
 from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import LMHead, VocabEmbedding
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
+from swaserve.model_config import FULL, SLIDING, ModelConfig, layer_attention_shape
 from swaserve.models.base import NamedWeights
 from swaserve.models.gemma4 import Gemma4DecoderLayer
 

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from swaserve.config import FULL, layer_attention_shape
 from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import LMHead, VocabEmbedding
 from swaserve.layers.linear import MergedLinear
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm
 from swaserve.layers.rotary import rope_from_config
+from swaserve.model_config import FULL, layer_attention_shape
 from swaserve.models.base import NamedWeights
 
 if TYPE_CHECKING:

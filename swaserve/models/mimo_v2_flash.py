@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from swaserve.config import SLIDING
 from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.moe import GroupedTopKRouter, StackedExperts, routed_rows
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
+from swaserve.model_config import SLIDING
 from swaserve.models.base import CausalLM, DecoderLayer, NamedWeights, RoutedDecoderLayer
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from swaserve.config import SLIDING
 from swaserve.layers import fp8
 from swaserve.layers.norm import RMSNorm
+from swaserve.model_config import SLIDING
 from swaserve.models.base import STACKED_PARAMS, NamedWeights
 from swaserve.models.quantization import keep_stored_dtypes
 

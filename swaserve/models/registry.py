@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from swaserve.config import ModelConfig
+    from swaserve.model_config import ModelConfig
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("swaserve.models.llama", "LlamaForCausalLM"),

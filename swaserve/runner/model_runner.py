@@ -13,9 +13,9 @@ from swaserve.distributed.state import tp_group
 
 if TYPE_CHECKING:
     from swaserve.attention.base import AttentionBackend
-    from swaserve.config import ModelConfig
     from swaserve.memory.req_to_token import ReqToTokenPool
     from swaserve.memory.swa import SWAKVPool
+    from swaserve.model_config import ModelConfig
     from swaserve.runner.decode_graph import DecodeGraphRunner
     from swaserve.runner.forward_batch import ForwardBatch
     from swaserve.runner.piecewise_graph import PiecewiseGraphRunner

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from swaserve.config import ModelConfig, SchedulerConfig, SpeculativeConfig
+    from swaserve.config import SchedulerConfig, SpeculativeConfig
+    from swaserve.model_config import ModelConfig
 
 
 def build_drafter(cfg: SpeculativeConfig, target: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -17,7 +17,8 @@ from swaserve.runner.forward_batch import ForwardMode
 from swaserve.speculative.draft_cache import DraftCache, DraftRow
 
 if TYPE_CHECKING:
-    from swaserve.config import ModelConfig, SchedulerConfig
+    from swaserve.config import SchedulerConfig
+    from swaserve.model_config import ModelConfig
     from swaserve.runtime import Runtime
     from swaserve.scheduler.req import Req
 

@@ -15,7 +15,8 @@ from swaserve.models.llama_eagle3 import AUX_INPUT, EAGLE3_ARCHITECTURES, HIDDEN
 from swaserve.speculative.state_head import StateHeadDrafter, head_runtime
 
 if TYPE_CHECKING:
-    from swaserve.config import ModelConfig, SchedulerConfig, SpeculativeConfig
+    from swaserve.config import SchedulerConfig, SpeculativeConfig
+    from swaserve.model_config import ModelConfig
     from swaserve.runner.forward_batch import ForwardBatch
     from swaserve.runtime import Runtime
 
@@ -37,8 +38,8 @@ class Eagle3Drafter(StateHeadDrafter):
     @classmethod
     def build(cls, cfg: SpeculativeConfig, target: ModelConfig, device: torch.device, dtype: torch.dtype,
               target_sched: SchedulerConfig, load_format: str) -> Eagle3Drafter:
-        from swaserve.config import ModelConfig
         from swaserve.loader.hf_dir import load_hf_config
+        from swaserve.model_config import ModelConfig
 
         path = cfg.speculative_draft_model
         if path is None:

@@ -16,7 +16,8 @@ from swaserve.h2d import to_device
 from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from swaserve.config import ModelConfig, SchedulerConfig, SpeculativeConfig
+    from swaserve.config import SchedulerConfig, SpeculativeConfig
+    from swaserve.model_config import ModelConfig
     from swaserve.models.gemma4_assistant import Gemma4Assistant
     from swaserve.runtime import Runtime
     from swaserve.scheduler.req import Req

@@ -15,7 +15,8 @@ from swaserve.models.mimo_v2_mtp import HIDDEN_INPUT, MTP_LAYER, MiMoMTPHead, he
 from swaserve.speculative.state_head import StateHeadDrafter, head_runtime
 
 if TYPE_CHECKING:
-    from swaserve.config import ModelConfig, SchedulerConfig, SpeculativeConfig
+    from swaserve.config import SchedulerConfig, SpeculativeConfig
+    from swaserve.model_config import ModelConfig
     from swaserve.runtime import Runtime
 
 class MiMoMTPDrafter(StateHeadDrafter):
@@ -31,7 +32,7 @@ class MiMoMTPDrafter(StateHeadDrafter):
     @classmethod
     def build(cls, cfg: SpeculativeConfig, target: ModelConfig, device: torch.device, dtype: torch.dtype,
               target_sched: SchedulerConfig, load_format: str) -> MiMoMTPDrafter:
-        from swaserve.config import ModelConfig
+        from swaserve.model_config import ModelConfig
 
         thf = target.hf_config
         if load_format == "dummy":

@@ -14,8 +14,9 @@ import torch
 from swaserve.distributed.state import gather_vocab_tables, single_rank
 
 if TYPE_CHECKING:
-    from swaserve.config import ModelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
+    from swaserve.config import RunnerConfig, SchedulerConfig, SpeculativeConfig
     from swaserve.launcher import StepLauncher
+    from swaserve.model_config import ModelConfig
     from swaserve.runtime import Runtime
     from swaserve.scheduler.speculate import Speculation
 

@@ -19,7 +19,8 @@ from swaserve.scheduler.speculate import speculates
 from swaserve.speculative.draft_cache import DraftCache, DraftRow
 
 if TYPE_CHECKING:
-    from swaserve.config import CacheConfig, ModelConfig, SchedulerConfig
+    from swaserve.config import CacheConfig, SchedulerConfig
+    from swaserve.model_config import ModelConfig
     from swaserve.runtime import Runtime
     from swaserve.scheduler.req import Req
 

@@ -4,10 +4,9 @@ chunked prefill, SWA-pool bounds over long generations, seeds, bad input, and cl
 from __future__ import annotations
 
 import pytest
+from engine_prompts import prompt_of
 
 from swaserve import SamplingParams
-
-from engine_prompts import prompt_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -56,9 +55,9 @@ def window_64_engine(llm):
     512: a generation crosses the window in 64 decode steps rather than 512 (~0.1 s each here)."""
     import copy
 
-    from swaserve.config import ModelConfig
     from swaserve.engine import Engine
     from swaserve.loader import LoadedModel
+    from swaserve.model_config import ModelConfig
     from swaserve.models.registry import build_model
 
     hf = copy.deepcopy(llm.engine.model_config.hf_config)

@@ -13,7 +13,8 @@ import torch
 import transformers as tf
 from engine_driver import count_replays, forward, make_req
 
-from swaserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
+from swaserve.model_config import ModelConfig
 from swaserve.models.registry import build_model
 from swaserve.runtime import build_runtime
 

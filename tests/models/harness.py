@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from swaserve.config import ModelConfig
 from swaserve.memory import (
     ReqToTokenPool,
     SWAEvictor,
@@ -21,6 +20,7 @@ from swaserve.memory import (
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
+from swaserve.model_config import ModelConfig
 from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
 from swaserve.runner.model_runner import ModelRunner
 

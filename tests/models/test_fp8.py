@@ -14,7 +14,6 @@ import torch
 from families import gemma3_wide, gemma4_moe, hf_greedy, make_hf_model, mimo_v2_flash
 from harness import Harness
 
-from swaserve.config import ModelConfig
 from swaserve.layers import fp8
 from swaserve.layers.batch_invariant import make_batch_invariant
 from swaserve.layers.linear import MergedLinear, OutLinear
@@ -23,6 +22,7 @@ from swaserve.loader import load_model
 from swaserve.loader.dummy import init_dummy_weights
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.loader.safetensors import iter_safetensors
+from swaserve.model_config import ModelConfig
 from swaserve.models.registry import build_model
 
 STEPS = 6

@@ -16,7 +16,6 @@ import transformers as tf
 from families import MXFP4_CONFIG, gpt_oss, make_hf_model
 from harness import Harness
 
-from swaserve.config import ModelConfig
 from swaserve.distributed.state import TPGroup, set_tp_group
 from swaserve.layers import gpt_oss_experts as experts_mod
 from swaserve.layers import mxfp4
@@ -24,6 +23,7 @@ from swaserve.layers.gpt_oss_experts import GptOssExperts, expert_shard
 from swaserve.loader import load_model
 from swaserve.loader.hf_dir import load_hf_config, load_model_from_dir
 from swaserve.loader.safetensors import iter_safetensors
+from swaserve.model_config import ModelConfig
 from swaserve.models.gpt_oss import swiglu_params
 from swaserve.models.registry import build_model
 

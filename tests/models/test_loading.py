@@ -12,9 +12,9 @@ import transformers as tf
 from families import FAMILIES, gemma3, gemma4, gemma4_ple, make_hf_model, randomize_
 from harness import Harness
 
-from swaserve.config import ModelConfig
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.loader.safetensors import iter_safetensors, safetensors_files
+from swaserve.model_config import ModelConfig
 from swaserve.models.registry import build_model, get_model_class, supported_architectures
 
 PROMPTS = [list(range(3, 30)), list(range(40, 51))]  # 27 and 11 tokens: both cross W = 8

@@ -15,11 +15,11 @@ from families import hf_greedy, make_hf_model, mimo_v2_flash
 from harness import Harness
 from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash as hf_mimo
 
-from swaserve.config import ModelConfig
 from swaserve.layers.moe import GroupedTopKRouter
 from swaserve.layers.rotary import rope_from_config
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.loader.safetensors import iter_safetensors
+from swaserve.model_config import ModelConfig
 from swaserve.models.registry import build_model
 
 W = 8

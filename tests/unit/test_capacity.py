@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler_properties import VOCAB, FakeDevice, Params
 
-from swaserve.config import SCHEDULE_POLICIES, KVGroup, SchedulerConfig
+from swaserve.config import SCHEDULE_POLICIES, SchedulerConfig
 from swaserve.memory import ReqToTokenPool, SWAEvictor, SWATokenToKVPoolAllocator
 from swaserve.memory.planner import MemoryPlan, plan_memory
 from swaserve.memory.window import swa_slots_kept
+from swaserve.model_config import KVGroup
 from swaserve.prefix_cache import RadixCache
 from swaserve.prefix_cache.integrity import check_tree
 from swaserve.scheduler.integrity import check_scheduler

@@ -9,9 +9,10 @@ import argparse
 import pytest
 import torch
 
-from swaserve.config import CacheConfig, KVGroup, split_engine_options
+from swaserve.config import CacheConfig, split_engine_options
 from swaserve.memory.kv_pool import FP8_KV, KVPool, dequantize_kv, quantize_kv
 from swaserve.memory.planner import plan_memory
+from swaserve.model_config import KVGroup
 from swaserve.options import add_engine_flags, engine_options
 
 # Gemma 3 27B's K/V: 10 full and 52 sliding layers of 16 heads x 128; window 1024.

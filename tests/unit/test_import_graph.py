@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2] / "swaserve"
 # longest entry that matches a module decides its plane (so a module can sit below the rest of its package).
 PLANES: list[tuple[str, tuple[str, ...]]] = [
     # plain data and helpers everything may use
-    ("base", ("config.py", "request.py", "h2d.py", "detokenizer.py", "structured_outputs.py")),
+    ("base", ("config.py", "model_config.py", "request.py", "h2d.py", "detokenizer.py",
+              "structured_outputs.py")),
     # Triton kernels; the tensor-parallel group and the collectives layers call; structured outputs'
     # token bitmasks applied to logits (the LM head's greedy path applies them too)
     ("primitives", ("kernels/", "distributed/state.py", "runner/token_mask.py")),

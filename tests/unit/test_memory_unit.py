@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swaserve.config import KVGroup
 from swaserve.memory import (
     KVPool,
     ReqToTokenPool,
@@ -15,6 +14,7 @@ from swaserve.memory import (
     TokenToKVPoolAllocator,
     plan_memory,
 )
+from swaserve.model_config import KVGroup
 
 
 def test_req_to_token_rows_and_reserved_row_zero():
@@ -101,7 +101,7 @@ def _gemma4_like(kv_shared: int):
     the K/V of the last earlier layer of their type."""
     from types import SimpleNamespace
 
-    from swaserve.config import ModelConfig
+    from swaserve.model_config import ModelConfig
 
     types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "sliding_attention",
              "full_attention"]

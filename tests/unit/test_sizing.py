@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swaserve.config import KVGroup, SchedulerConfig
+from swaserve.config import SchedulerConfig
 from swaserve.memory.planner import plan_memory
+from swaserve.model_config import KVGroup
 from swaserve.runner.graph_buffers import capture_batch_sizes, padded_batch_size
 from swaserve.sizing import (
     CPU_MAX_RUNNING,
