@@ -17,7 +17,7 @@ from common import gpt_oss_hf_config
 from harness import Harness
 from test_gpt_oss_vs_hf import build
 
-from swaserve.config import ModelConfig
+from swaserve.model_config import ModelConfig
 from swaserve.models.registry import build_model
 
 DEV = "cpu" if "--cpu-smoke" in sys.argv else "cuda"  # --cpu-smoke: a narrow cut, to check this script runs
