@@ -153,10 +153,11 @@ def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
     `fp8_warps` (an e4m3 pool): the extend tile's 64 rows and warps. With 16 rows an FP8 pool's decode
     gave a few outputs other bits than its extend (64 rows) and than a bf16 pool holding the same values,
     while the bf16 pool's decode and extend agreed (H200, tests/gpu/test_unified_fp8_gpu.py; an exact
-    e4m3 decode by bit fields changed nothing, so not the conversion). The likely cause, not confirmed in
-    the generated code: under 64 rows Hopper runs the older MMA, which an 8-bit tile reaches converted
-    after its shared-memory load, in another register order of the K dimension, so its products are
-    summed in another order. 64 rows take the warpgroup MMA, as the extend does: the test passes."""
+    e4m3 decode by bit fields changed nothing, so not the conversion). The cause, in the code compiled for
+    sm_90 (`tests/kernels/compile_sm90.py`, Triton 3.9): under 64 rows Hopper runs the older MMA, and the
+    e4m3 V tile reaches it converted after its shared-memory load, as operands 4 elements wide along K
+    (bf16 tiles: 2), which sums the products in another order. With 64 rows it is converted before the
+    shared memory, 2 wide, for the warpgroup MMA, as in the extend; the GPU test passes."""
     stages = 3 if sliding or programs == "request" else 2
     if fp8_warps is not None:
         return BLOCK_M, fp8_warps, stages

@@ -119,6 +119,10 @@ def _check(name: str, module, attr: str, call) -> dict:
             "reads_before_wait": sum(bool(_READ.search(line)) for line in before),
             "writes_before_wait": sum(bool(_WRITE.search(line)) for line in before),
             "narrow_reads": sum(bool(_NARROW_READ.search(line)) for line in lines),
+            # the MMA operands' k-widths (elements a thread holds along K: 2 for 16-bit operands; an 8-bit
+            # tile converted after its shared-memory load shows 4) and whether the warpgroup MMA ran
+            "dot_kwidths": sorted({int(k) for k in re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"])}),
+            "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
             "shared": compiled.metadata.shared, "fits_h100": compiled.metadata.shared <= H100_SMEM}
 
 
@@ -184,6 +188,14 @@ def _fp8_kv_cases() -> list[tuple]:
         ("unified[fp8 kv, extend]", unified_attention, "_unified_kernel",
          lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=T,
                                                      window=1024, **sc)),
+        # A decode program of each kind over e4m3 and bf16 pools: operands 2 wide along K (with a 16-row tile
+        # the e4m3 V tile reached the older MMA converted after its shared-memory load, k-width 4: another
+        # summation order than bf16's, so FP8 decode and extend parted; decode_config)
+        *[(f"unified[{name}, decode {programs}]", unified_attention, "_unified_kernel",
+           lambda pool=pool, programs=programs, scales=scales: unified_attention.unified_attention(
+               q, out, pool, pool, table, rows, seq, ip, 1.0, max_extend_len=1, programs=programs, **scales))
+          for name, pool, scales in (("fp8 kv", kv, sc), ("bf16 kv", kv.to(bf16), {}))
+          for programs in ("block", "chunk", "request")],
         ("unified merge[fp8 kv, decode]", unified_attention, "_merge_kernel",
          lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=1,
                                                      programs="chunk", **sc)),

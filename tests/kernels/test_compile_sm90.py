@@ -7,7 +7,9 @@ that load above the wait), and every default launch configuration fits the H100'
 (fp32 skinny tiles once did not), Gemma 4's d256/d512 decode and extend attention included, and the
 FP8 KV cache's stores and attention kernels (e4m3 pools); and no kernel reads its tiles one 1- or 2-byte
 element at a time (row strides that lost their divisibility by 16 did that to the block-FP8 GEMM: 12%
-of cuBLAS on an H200), the block-FP8 GEMMs included."""
+of cuBLAS on an H200), the block-FP8 GEMMs included; and deterministic attention feeds its MMAs operands
+2 elements wide along K over e4m3 pools as over bf16 ones (a 16-row decode tile once took the e4m3 V tile
+through a 4-wide operand layout, whose other summation order parted FP8 decode from extend on an H200)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,11 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "qk_norm_rope_store[q only]", "qk_norm_rope_store[fp8 kv]", "store_kv[fp8 kv]",
             "decode_stage1[fp8 kv, split]", "decode_stage1[fp8 kv, direct]", "extend[fp8 kv]",
             "unified[fp8 kv, extend]", "unified merge[fp8 kv, decode]", "quant_fp8_groups",
+            "unified[fp8 kv, decode request]", "unified[bf16 kv, decode chunk]",
             "fp8_gemm[w8a8, 2048 rows]", "fp8_gemm[w8a16, 64 rows]"} <= names
+    for r in rows:  # deterministic attention: every MMA operand 2 elements wide along K, e4m3 pools as bf16 ones
+        if r["kernel"].startswith("unified["):  # (the older MMA or the warpgroup one: the same bits, measured)
+            assert r["dot_kwidths"] == [2], r
     for r in rows:
         assert r["fits_h100"], r
         assert r["narrow_reads"] == 0, r  # 16-byte tiles: row strides keep their divisibility (jit_per_batch)
