@@ -63,6 +63,7 @@ def accept_tokens(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) ->
     toks = [t for g, t in zip(grammars, tokens) if not g.terminated]
     oks = _batch_accept([g.matcher for g in live], toks)
     if oks is None:  # every token accepted (the usual case: each was drawn under its row's mask)
+        # `_accepted(t, True)` inlined: the call a row cost ~0.5 us of the ~1.7 (CPU, --host-only)
         for g, t in zip(live, toks):
             g.terminated = t in g.stops
         return
