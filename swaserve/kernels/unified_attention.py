@@ -142,14 +142,25 @@ def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
     return 64, 4, 2
 
 
-def decode_config(group_p: int, sliding: bool, programs: str = "chunk") -> tuple[int, int, int]:
+def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
+                  fp8_warps: int | None = None) -> tuple[int, int, int]:
     """(rows, num_warps, num_stages) of a decode program: one token's query heads in the smallest
     tile the MMA takes; its key block is the extend tile's. A sliding layer's keys sit behind a
     gather more (its window's slot table, or the table then `full_to_swa`): a third stage in flight
     helps there, and in a program that streams a request's whole context, not in a full layer's
-    chunk or block program (H100, benchmarks/results/h100_unified_attention_sweep*.log). An e4m3 pool
-    takes the same tile: its tiles reach the MMA as the bf16 pool's would (`unified_reduce._load_kv`)."""
+    chunk or block program (H100, benchmarks/results/h100_unified_attention_sweep*.log).
+
+    `fp8_warps` (an e4m3 pool): the extend tile's 64 rows and warps. With 16 rows an FP8 pool's decode
+    gave a few outputs other bits than its extend (64 rows) and than a bf16 pool holding the same values,
+    while the bf16 pool's decode and extend agreed (H200, tests/gpu/test_unified_fp8_gpu.py; an exact
+    e4m3 decode by bit fields changed nothing, so not the conversion). The cause, in the code compiled for
+    sm_90 (`tests/kernels/compile_sm90.py`, Triton 3.9): under 64 rows Hopper runs the older MMA, and the
+    e4m3 V tile reaches it converted after its shared-memory load, as operands 4 elements wide along K
+    (bf16 tiles: 2), which sums the products in another order. With 64 rows it is converted before the
+    shared memory, 2 wide, for the warpgroup MMA, as in the extend; the GPU test passes."""
     stages = 3 if sliding or programs == "request" else 2
+    if fp8_warps is not None:
+        return BLOCK_M, fp8_warps, stages
     return max(DECODE_BLOCK_M, group_p), 4, stages
 
 
@@ -241,7 +252,7 @@ def unified_attention(
     if launch is not None:
         block_m, warps, stages = launch
     elif decode:
-        block_m, warps, stages = decode_config(group_p, window is not None, programs)
+        block_m, warps, stages = decode_config(group_p, window is not None, programs, warps if fp8 else None)
     else:
         block_m = BLOCK_M
     grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))

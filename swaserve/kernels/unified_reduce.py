@@ -26,38 +26,6 @@ def key_chunk(max_context: int) -> int:
 
 
 @triton.jit
-def _e4m3_value(b):
-    """e4m3 bits (int32, 0..255) -> their value in float32, exactly (no NaN: the pools saturate)."""
-    em = b & 0x7F
-    normal = (((b & 0x80) << 24) | ((em + 960) << 20)).to(tl.float32, bitcast=True)  # exponent +120
-    sub = em.to(tl.float32) * 0.001953125  # subnormal: m * 2**-9
-    return tl.where(em >= 8, normal, tl.where(b >= 128, -sub, sub))
-
-
-@triton.jit
-def _load_kv(buf, slot, stride_t, head_off, kmask, D: tl.constexpr, d, ty: tl.constexpr):
-    """A key block's K or V tile `[len(slot), len(d)]` in the MMA's dtype `ty` (0 where masked).
-
-    An e4m3 pool's tile is read as 16-bit words and decoded by bit fields: Triton sizes an MMA's
-    operand layout by the narrowest type its operand derives from, and a tile loaded as 8-bit values
-    made the decode tile's (16 rows, the older MMA) 4 elements wide along K instead of 2, which sums
-    the products in another order than the bf16 pool and the extend tile (64 rows) do: a few outputs
-    differed in their last bit (H200, tests/gpu/test_unified_fp8_gpu.py; `dot_kwidths` in
-    tests/kernels/compile_sm90.py). Read as words, every tile reaches the MMA as a bf16 pool's would."""
-    if buf.dtype.element_ty == tl.float8e4nv:
-        p16 = buf.to(tl.pointer_type(tl.int16), bitcast=True) + head_off // 2
-        c = tl.arange(0, d.shape[0] // 2)
-        w = tl.load(p16 + (slot * (stride_t // 2))[:, None] + c[None, :], mask=kmask[:, None] & (c[None, :] < D // 2),
-                    other=0)
-        w = w.to(tl.int32) & 0xFFFF
-        lo = _e4m3_value(w & 0xFF).to(ty)
-        hi = _e4m3_value(w >> 8).to(ty)
-        return tl.reshape(tl.join(lo, hi), [slot.shape[0], d.shape[0]])
-    return tl.load(buf + slot[:, None] * stride_t + head_off + d[None, :], mask=kmask[:, None] & (d[None, :] < D),
-                   other=0.0).to(ty)
-
-
-@triton.jit
 def _fold(M, L, ACC, m, l, acc):
     """The running softmax state (M, L, ACC) with one more partial (m, l, acc) added. An empty
     partial (m = -inf, l = acc = 0) leaves the state bit for bit; an empty state becomes the
@@ -100,9 +68,11 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, 
         slot = tl.load(req_to_token + row * stride_r2t + (kp - pos0), mask=kmask, other=0).to(tl.int64)
         if HAS_MAP:  # SWA-pool layer: prefix and new tokens alike through full_to_swa
             slot = tl.load(full_to_swa + slot, mask=kmask, other=0).to(tl.int64)
-        k_t = _load_kv(k_buf, slot, stride_kt, kvh * stride_kh, kmask, DK, dk, q_t.dtype)
-        v_t = _load_kv(v_buf, slot, stride_vt, kvh * stride_vh, kmask, DV, dv, q_t.dtype)
-        s = _scores(_dot_rows(q_t, tl.trans(k_t), UPCAST, PREC, ROWWISE), qk_scale, softcap,
+        k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],
+                      mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+        v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
+                      mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        s = _scores(_dot_rows(q_t, tl.trans(k_t.to(q_t.dtype)), UPCAST, PREC, ROWWISE), qk_scale, softcap,
                     HAS_SOFTCAP)
         vis = rmask[:, None] & kmask[None, :] & (kp[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
@@ -113,7 +83,7 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, 
         m = tl.max(s, axis=1)
         p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None]).to(q_t.dtype)
         l = _row_sum(p, UPCAST, PREC, ROWWISE)
-        acc = _dot_rows(p, v_t, UPCAST, PREC, ROWWISE)
+        acc = _dot_rows(p, v_t.to(q_t.dtype), UPCAST, PREC, ROWWISE)
         M, L, ACC = _fold(M, L, ACC, m, l, acc)
     return M, L, ACC
 

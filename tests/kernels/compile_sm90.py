@@ -188,9 +188,9 @@ def _fp8_kv_cases() -> list[tuple]:
         ("unified[fp8 kv, extend]", unified_attention, "_unified_kernel",
          lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=T,
                                                      window=1024, **sc)),
-        # A decode program of each kind over e4m3 and bf16 pools: operands 2 wide along K (an e4m3 tile loaded
-        # as 8-bit values reached the 16-row tile's older MMA 4 wide: another summation order than bf16's, so
-        # FP8 decode and extend parted; unified_reduce._load_kv)
+        # A decode program of each kind over e4m3 and bf16 pools: operands 2 wide along K (with a 16-row tile
+        # the e4m3 V tile reached the older MMA converted after its shared-memory load, k-width 4: another
+        # summation order than bf16's, so FP8 decode and extend parted; decode_config)
         *[(f"unified[{name}, decode {programs}]", unified_attention, "_unified_kernel",
            lambda pool=pool, programs=programs, scales=scales: unified_attention.unified_attention(
                q, out, pool, pool, table, rows, seq, ip, 1.0, max_extend_len=1, programs=programs, **scales))
