@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['mask_wait_ms_per_step']:>20} {r['device_wait_ms_per_step']:>10}")
     print(f"  constrained / unconstrained: {ratio:.1%} (medians of {a.repeat} rounds of the modes in turn); schema compile {cold_ms:.1f} ms cold (vocabulary table "
           f"{vocab_ms:.0f} ms, once per process), {cached_ms * 1e3:.1f} us cached")
+    escaped = sum(r["rejected_tokens"] for rs in runs.values() for r in rs)
+    if escaped:  # every token is drawn under its row's mask: a refused one is a bug (e.g. a mask read too early)
+        raise SystemExit(f"{escaped} sampled tokens were refused by their grammar")
 
 
 def measured_run(engine, prompts: list[list[int]], params, name: str, shape: str) -> dict:
@@ -135,11 +138,13 @@ def measured_run(engine, prompts: list[list[int]], params, name: str, shape: str
     fill_ms = after["grammar_mask_fill_ms_total"] - before["grammar_mask_fill_ms_total"]
     wait_ms = after["grammar_mask_wait_ms_total"] - before["grammar_mask_wait_ms_total"]
     masked = after["grammar_masked_rows_total"] - before["grammar_masked_rows_total"]
+    rejected = after["grammar_rejected_tokens_total"] - before["grammar_rejected_tokens_total"]
     device_ms = after["step_wait_ms_total"] - before["step_wait_ms_total"]
     steps = max(row["steps"], 1)
     row.update(step_ms=round(row["seconds"] * 1e3 / steps, 2), mask_fill_ms_per_step=round(fill_ms / steps, 2),
                mask_fill_us_per_row=round(fill_ms * 1e3 / masked, 1) if masked else 0.0,
-               mask_wait_ms_per_step=round(wait_ms / steps, 2), device_wait_ms_per_step=round(device_ms / steps, 2))
+               mask_wait_ms_per_step=round(wait_ms / steps, 2), device_wait_ms_per_step=round(device_ms / steps, 2),
+               rejected_tokens=rejected)
     return row
 
 

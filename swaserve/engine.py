@@ -35,6 +35,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     retractions_total: int = 0
     step_wait_seconds: float = 0.0  # the step loop blocked on the device for a step's tokens
+    grammar_rejected: int = 0  # sampled tokens a grammar refused (0 unless one was drawn past its mask)
 
 
 class Engine:
@@ -271,7 +272,7 @@ class Engine:
         nxt = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
         if step.constrained:  # the grammars first, in one call: the next step's masks depend on nothing else
             live = [(r.grammar, t) for r, t in zip(step.reqs, tokens) if r.grammar is not None and not r.finished]
-            accept_tokens([g for g, _ in live], [t for _, t in live])  # type: ignore[misc]
+            self.stats.grammar_rejected += accept_tokens([g for g, _ in live], [t for _, t in live])  # type: ignore[misc]
         if nxt is not None:
             # Overlap with constrained rows: the next step's model is running; its masks needed the tokens
             # just accepted. They fill on a worker thread from now until it samples (`_advance`), while
@@ -324,6 +325,7 @@ class Engine:
                 "grammar_mask_fill_ms_total": int(self.launcher.mask_fill_seconds * 1000),
                 "grammar_mask_wait_ms_total": int(self.launcher.mask_wait_seconds * 1000),
                 "grammar_masked_rows_total": self.launcher.masked_rows,
+                "grammar_rejected_tokens_total": self.stats.grammar_rejected,
                 "step_wait_ms_total": int(self.stats.step_wait_seconds * 1000),
                 **(self.grammars.counters() if self.grammars is not None else GrammarCompiler.idle_counters())}
 

@@ -276,9 +276,7 @@ class StepLauncher:
     def _device_masks(self, masks: TokenMasks) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(masks, rows)` on the device: only the constrained rows' masks cross (rows None: every row)."""
         rows = None if masks.every_row else to_device(torch.tensor(masks.rows), self.device)
-        words = to_device(masks.masks, self.device)
-        self._mask_rows.copied()  # type: ignore[union-attr]
-        return words, rows
+        return self._mask_rows.upload(masks.masks, self.device), rows  # type: ignore[union-attr]
 
     def _sampling_batch(self, reqs: list[Req], params: list, distinct: list, rows: torch.Tensor) -> SamplingBatch:
         penalties = any(p.uses_penalties for p in distinct)

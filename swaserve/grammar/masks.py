@@ -1,6 +1,6 @@
 """A step's allowed-token bitmasks on the host, for its constrained rows only: filled by xgrammar's batch
 matcher (its own threads), either inline or on a worker thread beside the step loop (`start_fill`), into
-one reused host buffer (`MaskRows`)."""
+reused host buffers (`MaskRows`), which also copy them to the device."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from swaserve.grammar.matcher import SequenceGrammar
+from swaserve.h2d import to_device
 
 # Rows per xgrammar thread at least. At 256 constrained rows of the 1B shape, stepped as the server's engine
 # core steps (frontends detokenize), on a 16-core H200 host: 1 / 2 / 4 fill threads gave 47.0k / 48.3k / 53.9k
@@ -66,6 +67,7 @@ class MaskRows:
         self.bufs: list[torch.Tensor | None] = [None, None]
         self.read: list[Any] = [None, None]  # torch.cuda.Event recorded after the last copy from each buffer
         self.turn = 1  # the buffer handed out last
+        self.stream: Any = None  # torch.cuda.Stream of the copies to the device (`upload`; made on first use)
 
     def rows(self, n: int) -> torch.Tensor:
         self.turn ^= 1
@@ -79,12 +81,24 @@ class MaskRows:
                                              pin_memory=torch.cuda.is_available())
         return buf[:n]
 
-    def copied(self) -> None:
-        """The rows handed out last are being copied to the device on the current stream."""
+    def upload(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The rows handed out last (`rows(n)`, filled), on `device`. On a GPU they cross on a copy stream
+        of their own and the current stream waits for that copy only: queued on the compute stream, the copy
+        (8 MiB at 256 rows of a 262k vocabulary) would wait for the model still running there and hold the
+        step's sampling back by its whole length."""
         buf = self.bufs[self.turn]
-        if torch.cuda.is_available() and buf is not None and buf.is_pinned():
+        if device.type != "cuda" or buf is None or not buf.is_pinned():
+            return to_device(rows, device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        compute = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self.stream):
+            out = rows.to(device, non_blocking=True)
             self.read[self.turn] = torch.cuda.Event()
-            self.read[self.turn].record()
+            self.read[self.turn].record()  # on the copy stream: the buffer is free again once it has run
+        compute.wait_stream(self.stream)
+        out.record_stream(compute)  # allocated on the copy stream, read (and freed) on the compute stream
+        return out
 
 
 @dataclass

@@ -49,26 +49,28 @@ class SequenceGrammar:
         return False
 
 
-def accept_tokens(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) -> None:
+def accept_tokens(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) -> int:
     """Each grammar accepts its token ahead of the sequence's append (`SequenceGrammar.appended`), the live
     ones in one xgrammar call: the step loop does this first thing after a step's tokens arrive, so the
-    next step's masks can start filling before the rest of the step's output is processed."""
+    next step's masks can start filling before the rest of the step's output is processed. Returns how many
+    tokens were refused: 0 unless a token was sampled past its row's mask (`grammar_rejected_tokens_total`)."""
     live = []
     for g in grammars:
         g.ahead += 1
         if not g.terminated:
             live.append(g)
     if not live:
-        return
+        return 0
     toks = [t for g, t in zip(grammars, tokens) if not g.terminated]
     oks = _batch_accept([g.matcher for g in live], toks)
     if oks is None:  # every token accepted (the usual case: each was drawn under its row's mask)
         # `_accepted(t, True)` inlined: the call a row cost ~0.5 us of the ~1.7 (CPU, --host-only)
         for g, t in zip(live, toks):
             g.terminated = t in g.stops
-        return
+        return 0
     for g, t, ok in zip(live, toks, oks):
         g._accepted(t, ok)
+    return sum(not ok for ok in oks)
 
 
 def _batch_accept(matchers: list[Any], tokens: list[int]) -> Sequence[bool] | None:

@@ -48,6 +48,8 @@ _ENGINE_GAUGES = (
      "Milliseconds the step loop waited for structured outputs' masks to be filled."),
     ("grammar_masked_rows_total", "swaserve_grammar_masked_rows_total", "counter",
      "Rows sampled under a structured-output mask."),
+    ("grammar_rejected_tokens_total", "swaserve_grammar_rejected_tokens_total", "counter",
+     "Sampled tokens a structured-output grammar refused (0 unless a token escaped its mask: a bug)."),
     ("step_wait_ms_total", "swaserve_step_wait_ms_total", "counter",
      "Milliseconds the step loop waited for the device to return a step's tokens (near 0: the host is the limit)."),
 )

@@ -77,9 +77,10 @@ def test_accept_tokens_at_once_equals_one_at_a_time(compiled):
     batch = [SequenceGrammar(compiled, [0]) for _ in range(12)]
     for _ in range(8):
         toks = [rnd.choice([1, 2, 3, 5, 0, 6]) for _ in one]
+        before = sum(g.rejected for g in one)
         for g, t in zip(one, toks):
             g.accept(t)
-        accept_tokens(batch, toks)
+        assert accept_tokens(batch, toks) == sum(g.rejected for g in one) - before  # the refused count
         assert all(g.ahead == 1 for g in batch)
         for g, t in zip(batch, toks):
             g.appended(t)  # counted down, not accepted twice
@@ -90,7 +91,19 @@ def test_accept_tokens_at_once_equals_one_at_a_time(compiled):
             b = fill_token_masks([batch[i] for i in live], len(VOCAB))
             assert a is not None and b is not None and torch.equal(a.masks, b.masks)
     assert any(g.terminated for g in one) and any(g.rejected for g in one)
-    accept_tokens([], [])  # nothing to do
+    assert accept_tokens([], []) == 0  # nothing to do
+
+
+def test_upload_copies_the_rows_handed_out(compiled):
+    """`MaskRows.upload`: the filled rows on the device (on a GPU through the copy stream, the compute stream
+    waiting for it; here the plain copy), equal to the host rows."""
+    rows = MaskRows((len(VOCAB) + 31) // 32)
+    g = [SequenceGrammar(compiled, [0]) for _ in range(3)]
+    masks = fill_token_masks(g, len(VOCAB), rows)
+    assert masks is not None
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = rows.upload(masks.masks, dev)
+    assert out.device.type == dev.type and torch.equal(out.cpu(), masks.masks)
 
 
 def test_background_fill_equals_inline(compiled):
