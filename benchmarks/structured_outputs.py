@@ -5,7 +5,7 @@ request under one JSON schema whose string field lets a random model write to it
 tok/s of each run and their ratio (goal: constrained >= 90% of unconstrained), TTFT (p50/p99, from
 submission to the step that returned the first token), the host time spent filling masks (mostly on the
 fill worker's thread) and what of it the step loop waited for, the time it waited for the device to return
-a step's tokens (near 0 where the host is the limit), and the schema's compile time cold (first
+a step's tokens (near 0 where the host is the limit), the tokens a grammar refused (0, else the run fails), and the schema's compile time cold (first
 compile; xgrammar's vocabulary table reported apart) and cached. `--fill-threads 2,4,8` runs the
 constrained set again at each most-threads setting of the mask fill (`grammar_threads`). `--repeat` rounds
 run every mode in turn; the table shows each mode's median run (one run of each varied by up to a third
@@ -118,11 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     where = "text built in the step loop (LLM.generate)" if a.detokenize else "engine core as served (frontends detokenize)"
     print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}, {where}:")
     print(f"  {'mode':<22} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
-          f"{'mask fill ms/step':>18} {'loop waited ms/step':>20} {'for device':>10}")
+          f"{'mask fill ms/step':>18} {'mask wait ms/step':>18} {'device wait ms/step':>20} {'refused':>8}")
     for r in rows:
         print(f"  {r['mode']:<22} {r['out_tok_per_s']:>10} {r['ttft_p50_ms']:>12} {r['ttft_p99_ms']:>12} "
               f"{r['output_tokens']:>8} {r['step_ms']:>8} {r['mask_fill_ms_per_step']:>18} "
-              f"{r['mask_wait_ms_per_step']:>20} {r['device_wait_ms_per_step']:>10}")
+              f"{r['mask_wait_ms_per_step']:>18} {r['device_wait_ms_per_step']:>20} {r['rejected_tokens']:>8}")
     print(f"  constrained / unconstrained: {ratio:.1%} (medians of {a.repeat} rounds of the modes in turn); schema compile {cold_ms:.1f} ms cold (vocabulary table "
           f"{vocab_ms:.0f} ms, once per process), {cached_ms * 1e3:.1f} us cached")
     escaped = sum(r["rejected_tokens"] for rs in runs.values() for r in rs)
