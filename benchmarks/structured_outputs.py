@@ -5,8 +5,8 @@ request under one JSON schema whose string field lets a random model write to it
 tok/s of each run and their ratio (goal: constrained >= 90% of unconstrained), TTFT (p50/p99, from
 submission to the step that returned the first token), the host time spent filling masks (mostly on the
 fill worker's thread) and what of it the step loop waited for, the time it waited for the device to return
-a step's tokens (near 0 where the host is the limit), the tokens a grammar refused (0, else the run fails), and the schema's compile time cold (first
-compile; xgrammar's vocabulary table reported apart) and cached. `--fill-threads 2,4,8` runs the
+a step's tokens (near 0 where the host is the limit), the tokens a grammar refused (0, else the run fails),
+and the schema's compile time cold (first compile; xgrammar's vocabulary table reported apart) and cached. `--fill-threads 2,4,8` runs the
 constrained set again at each most-threads setting of the mask fill (`grammar_threads`). `--repeat` rounds
 run every mode in turn; the table shows each mode's median run (one run of each varied by up to a third
 between rounds on one GPU host). The engine runs
