@@ -2,11 +2,13 @@
 the host parts of a waiting step (schedule, launch, wait, process), pure graph replay, and a
 torch.profiler table of GPU kernels.
 
-    python scripts/profile_step.py [shape] [batch size] [context]     e.g. 1b 64 512
+    python scripts/profile_step.py [shape] [batch size] [context] [engine options as JSON]
+    e.g. 1b 64 512, or 4b 64 8192 '{"kv_cache_dtype": "fp8_e4m3", "enable_deterministic_inference": true}'
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,9 +39,10 @@ def main() -> None:
     shape = sys.argv[1] if len(sys.argv) > 1 else "1b"
     bs = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 512
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     dev = torch.device("cuda")
     e = Engine(random_model(shape, dev, torch.bfloat16), device=dev, dtype=torch.bfloat16,
-               max_running_requests=max(bs, 8), max_context=ctx + 1024, max_prefill_tokens=16384)
+               max_running_requests=max(bs, 8), max_context=ctx + 1024, max_prefill_tokens=16384, **options)
     for i in range(bs):
         e.add_request(str(i), list(range(10 + i, 10 + i + ctx)),
                       SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
@@ -87,7 +90,7 @@ def main() -> None:
         gr.graphs[graph_bs].replay()
     torch.cuda.synchronize()
     replay_ms = (time.perf_counter() - t) / n * 1e3
-    print(f"{shape} bs={bs} ctx={ctx}: step {overlap_ms:.3f} ms with overlap ({deltas_ms:.3f} ms as the engine core "
+    print(f"{shape} bs={bs} ctx={ctx} {options or ''}: step {overlap_ms:.3f} ms with overlap ({deltas_ms:.3f} ms as the engine core "
           f"steps, step_deltas), {sync_ms:.3f} ms waiting; "
           f"pure graph replay {replay_ms:.3f} ms", flush=True)
     print(f"  {fast_paths()}", flush=True)
