@@ -17,7 +17,7 @@ from swaserve.admission import check_options, prompt_ids
 from swaserve.config import split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
-from swaserve.grammar import GrammarCompiler, SequenceGrammar, accept_ahead, accept_tokens
+from swaserve.grammar import GrammarCompiler, SequenceGrammar, accept_tokens
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.memory.planner import kv_dtype_name
@@ -35,6 +35,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     retractions_total: int = 0
     step_wait_seconds: float = 0.0  # the step loop blocked on the device for a step's tokens
+    grammar_rejected: int = 0  # sampled tokens a grammar refused (0 unless one was drawn past its mask)
 
 
 class Engine:
@@ -269,19 +270,14 @@ class Engine:
         tokens, logprobs = step.wait()
         self.stats.step_wait_seconds += time.perf_counter() - start
         nxt = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
-        pending = None
-        if step.constrained:  # the grammars first: the next step's masks depend on nothing else
+        if step.constrained:  # the grammars first, in one call: the next step's masks depend on nothing else
             live = [(r.grammar, t) for r, t in zip(step.reqs, tokens) if r.grammar is not None and not r.finished]
-            grammars, toks = [g for g, _ in live], [t for _, t in live]
-            if nxt is not None:  # xgrammar's accept call on the mask worker, before it fills nxt's masks
-                pending = accept_ahead(grammars, toks)  # type: ignore[arg-type]
-            else:
-                self.launcher.refused_tokens += accept_tokens(grammars, toks)  # type: ignore[arg-type]
+            self.stats.grammar_rejected += accept_tokens([g for g, _ in live], [t for _, t in live])  # type: ignore[misc]
         if nxt is not None:
-            # Overlap with constrained rows: the next step's model is running; its masks need the tokens
-            # just accepted. They are accepted and the masks filled on a worker thread from now until it
-            # samples (`_advance`), while this step commits and the next one is scheduled.
-            self.launcher.start_masks(nxt, pending)
+            # Overlap with constrained rows: the next step's model is running; its masks needed the tokens
+            # just accepted. They fill on a worker thread from now until it samples (`_advance`), while
+            # this step commits and the next one is scheduled.
+            self.launcher.start_masks(nxt)
         if step.prompt is not None:  # before the tokens: a request's first delta carries its prompt logprobs
             step.prompt.record()
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
@@ -329,7 +325,7 @@ class Engine:
                 "grammar_mask_fill_ms_total": int(self.launcher.mask_fill_seconds * 1000),
                 "grammar_mask_wait_ms_total": int(self.launcher.mask_wait_seconds * 1000),
                 "grammar_masked_rows_total": self.launcher.masked_rows,
-                "grammar_rejected_tokens_total": self.launcher.refused_tokens,
+                "grammar_rejected_tokens_total": self.stats.grammar_rejected,
                 "step_wait_ms_total": int(self.stats.step_wait_seconds * 1000),
                 **(self.grammars.counters() if self.grammars is not None else GrammarCompiler.idle_counters())}
 

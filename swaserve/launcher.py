@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swaserve.grammar import MaskJob, MaskRows, TokenMasks, finish_accept, start_fill
+from swaserve.grammar import MaskJob, MaskRows, TokenMasks, start_fill
 from swaserve.h2d import to_device
 from swaserve.prompt_scores import PromptScores, plan_prompt
 from swaserve.runner.sampler import Sampler, SamplerOutput
@@ -96,7 +96,6 @@ class StepLauncher:
         self.mask_fill_seconds = 0.0  # host time filling structured outputs' token masks (a worker's, mostly)
         self.mask_wait_seconds = 0.0  # time the step loop waited for masks to be filled
         self.masked_rows = 0  # rows sampled under a grammar's mask
-        self.refused_tokens = 0  # sampled tokens a grammar refused (0 unless one escaped its mask)
         self._mask_rows: MaskRows | None = None  # the host buffer masks are filled into (made on first use)
         self.grammar_threads: int | None = None  # most xgrammar threads per fill (None: `fill_threads`' default)
 
@@ -137,16 +136,13 @@ class StepLauncher:
             self.sample_deferred(step)
         return step
 
-    def start_masks(self, step: LaunchedStep, accept: tuple[list, list[int]] | None = None) -> None:
-        """A deferred step's grammars have accepted the tokens before it, or will first thing on the worker
-        thread (`accept`: `grammar.accept_ahead`'s pending call), and the rest of that step is not yet
-        committed: start filling its masks on the worker thread, while the step loop commits, schedules
+    def start_masks(self, step: LaunchedStep) -> None:
+        """A deferred step's grammars have accepted the tokens before it (the rest of that step is not yet
+        committed): start filling its masks on the worker thread, while the step loop commits, schedules
         the next step and the device runs this step's model. A row that ends with the step committing
         gets a mask it will not need; a row whose grammar ended gets none."""
         assert step.deferred is not None and step.masks is None
-        step.masks = self._start_masks(step.reqs, background=True, accept=accept)
-        if step.masks is None and accept is not None:  # nothing to fill: the accept alone, here
-            self.refused_tokens += finish_accept(*accept)
+        step.masks = self._start_masks(step.reqs, background=True)
 
     def prepare_deferred(self, step: LaunchedStep) -> None:
         """A deferred step's tokens before it are all committed: take what its sampling needs from the
@@ -231,13 +227,13 @@ class StepLauncher:
         greedy = is_plain_greedy(distinct)
         return SamplePlan(params, greedy, None if greedy else self._sampling_batch(reqs, params, distinct, rows), masks)
 
-    def _start_masks(self, reqs: list[Req], background: bool, accept: tuple | None = None) -> MaskJob | None:
+    def _start_masks(self, reqs: list[Req], background: bool) -> MaskJob | None:
         if not any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
             return None
         if self._mask_rows is None:
             self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
         return start_fill([None if r.finished else r.grammar for r in reqs], self.vocab_size, self._mask_rows,
-                          background, self.grammar_threads, accept)
+                          background, self.grammar_threads)
 
     def _finish(self, hidden: torch.Tensor, plan: SamplePlan,
                 head_greedy: bool | None = None) -> tuple[SamplerOutput, list | None]:
@@ -250,7 +246,6 @@ class StepLauncher:
             masks = plan.masks.result()
             self.mask_wait_seconds += time.perf_counter() - start
             self.mask_fill_seconds += plan.masks.fill_seconds
-            self.refused_tokens += plan.masks.refused
             self.masked_rows += len(masks.rows)
         fast = head_greedy if head_greedy is not None else self.lead is None
         if plan.greedy and fast:  # the common case: no logits, no per-row host work (masked rows too)

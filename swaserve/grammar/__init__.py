@@ -5,7 +5,7 @@ the launcher applies to the logits on the device."""
 
 from swaserve.grammar.compiler import GrammarCompiler, check_constraint
 from swaserve.grammar.masks import MaskJob, MaskRows, TokenMasks, fill_token_masks, start_fill
-from swaserve.grammar.matcher import SequenceGrammar, accept_ahead, accept_tokens, finish_accept
+from swaserve.grammar.matcher import SequenceGrammar, accept_tokens
 
-__all__ = ["GrammarCompiler", "MaskJob", "MaskRows", "SequenceGrammar", "TokenMasks", "accept_ahead", "accept_tokens",
-           "check_constraint", "fill_token_masks", "finish_accept", "start_fill"]
+__all__ = ["GrammarCompiler", "MaskJob", "MaskRows", "SequenceGrammar", "TokenMasks", "accept_tokens", "check_constraint",
+           "fill_token_masks", "start_fill"]

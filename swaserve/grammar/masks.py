@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-from swaserve.grammar.matcher import SequenceGrammar, finish_accept
+from swaserve.grammar.matcher import SequenceGrammar
 from swaserve.h2d import to_device
 
 # Rows per xgrammar thread at least. At 256 constrained rows of the 1B shape, stepped as the server's engine
@@ -25,7 +24,6 @@ from swaserve.h2d import to_device
 # the loop itself was the limit and one thread did best: more of them slowed it.)
 _ROWS_PER_THREAD = 64
 _MAX_THREADS = 8
-_SWITCH_INTERVAL = 2e-4  # seconds: the process's GIL switch interval at most, once the worker runs (_Worker)
 
 
 def fill_threads(rows: int, most: int | None = None) -> int:
@@ -118,30 +116,24 @@ class TokenMasks:
 
 
 class MaskJob:
-    """One fill, on the worker thread or done inline, after the grammars accept the step's tokens where
-    `accept` (`matcher.accept_ahead`'s pending call) is given. `result()` waits for it; `fill_seconds` is the
-    time xgrammar took to fill (on whichever thread ran it); `refused` the tokens the accept refused."""
+    """One fill, on the worker thread or done inline. `result()` waits for it; `fill_seconds` is the time
+    xgrammar took (on whichever thread ran it)."""
 
-    __slots__ = ("accept", "done", "error", "fill_seconds", "masks", "matchers", "refused", "started", "threads")
+    __slots__ = ("done", "error", "fill_seconds", "masks", "matchers", "started", "threads")
 
-    def __init__(self, matchers: list[Any], masks: TokenMasks, threads: int | None = None,
-                 accept: tuple[list[SequenceGrammar], list[int]] | None = None):
+    def __init__(self, matchers: list[Any], masks: TokenMasks, threads: int | None = None):
         self.matchers = matchers
         self.threads = threads
         self.masks = masks
-        self.accept = accept
         self.started = threading.Event()
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.fill_seconds = 0.0
-        self.refused = 0
 
     def run(self) -> None:
         try:
             batch = _batch(fill_threads(len(self.matchers), self.threads))
             self.started.set()  # the submitter goes on once this thread is inside xgrammar (GIL released)
-            if self.accept is not None:
-                self.refused = finish_accept(*self.accept)
             t0 = time.perf_counter()
             batch.batch_fill_next_token_bitmask(self.matchers, self.masks.masks)
             self.fill_seconds = time.perf_counter() - t0
@@ -165,11 +157,6 @@ class _Worker:
     def __init__(self) -> None:
         self.pid = os.getpid()  # a forked child has the object but not the thread
         self.jobs: queue.SimpleQueue[MaskJob] = queue.SimpleQueue()
-        # Back from an xgrammar call (which ran without the GIL) this thread waits for the GIL while the step
-        # loop runs Python: up to Python's switch interval (5 ms by default, longer than a decode step) before
-        # the loop is made to yield it. An accept beside a spinning Python thread took 5.8-6.5 ms a step at
-        # 5 ms, 1.2 at 0.5 ms, 0.8 at 0.2 ms against 0.33 alone (256 rows, this project's 2-core CPU).
-        sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL))
         threading.Thread(target=self._run, name="swaserve-grammar-masks", daemon=True).start()
 
     def _run(self) -> None:
@@ -182,16 +169,13 @@ _WORKER_LOCK = threading.Lock()
 
 
 def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out: MaskRows | None = None,
-               background: bool = False, threads: int | None = None,
-               accept: tuple[list[SequenceGrammar], list[int]] | None = None) -> MaskJob | None:
+               background: bool = False, threads: int | None = None) -> MaskJob | None:
     """Fill the masks of `grammars`' live rows (None, or a terminated grammar: a sequence that ended while
     its next step was already launched, samples unconstrained); None when no row has a live grammar.
     `background`: on the worker thread, returning as soon as it has entered xgrammar, which runs without
     the GIL, so the step loop's Python goes on beside it (a thread merely queued would wait for the GIL
     until the loop next released it). `threads`: at most this many xgrammar threads (`fill_threads`).
-    `accept`: the step's tokens `matcher.accept_ahead` left for xgrammar, accepted by the same job first
-    (on the worker: its call runs beside the step loop too), never None given rows to fill (the caller
-    makes that call itself when there are none). The grammars must not advance until `result()` returned."""
+    The grammars must not advance until `result()` returned."""
     live = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
     if not live:
         return None
@@ -200,7 +184,7 @@ def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out:
         out = MaskRows(words)
     assert out.words == words, (out.words, words)
     job = MaskJob([grammars[i].matcher for i in live],  # type: ignore[union-attr]
-                  TokenMasks(out.rows(len(live)), live, len(grammars)), threads, accept)
+                  TokenMasks(out.rows(len(live)), live, len(grammars)), threads)
     if not background:
         job.run()
         return job

@@ -12,7 +12,7 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from swaserve.grammar.masks import MaskRows, fill_threads, fill_token_masks, start_fill
-from swaserve.grammar.matcher import SequenceGrammar, accept_ahead, accept_tokens
+from swaserve.grammar.matcher import SequenceGrammar, accept_tokens
 from swaserve.runner.token_mask import allowed_tokens
 
 VOCAB = ["<eos>", "a", "b", "ab", "ba", "c", "x", "y"] + [f"t{i}" for i in range(40)]  # 48 tokens: 2 words
@@ -92,44 +92,6 @@ def test_accept_tokens_at_once_equals_one_at_a_time(compiled):
             assert a is not None and b is not None and torch.equal(a.masks, b.masks)
     assert any(g.terminated for g in one) and any(g.rejected for g in one)
     assert accept_tokens([], []) == 0  # nothing to do
-
-
-@pytest.mark.parametrize("background", [False, True], ids=["inline", "worker"])
-def test_accept_in_the_fill_job_equals_accept_then_fill(compiled, background):
-    """The step loop's overlap path: `accept_ahead` (bookkeeping; a stop token ends its row at once), then
-    one job that makes xgrammar's accept call and fills: the same states, refusals and masks as
-    `accept_tokens` then a fill, and the job counts what it refused. One documented difference, only where
-    a token escaped its mask: a row whose stop token was refused gets no mask for the next step (its rows
-    were chosen before xgrammar's call)."""
-    import random
-
-    rnd = random.Random(1)
-    ref = [SequenceGrammar(compiled, [0]) for _ in range(10)]
-    job_side = [SequenceGrammar(compiled, [0]) for _ in range(10)]
-    for _ in range(6):
-        toks = [rnd.choice([1, 2, 3, 5, 0, 6]) for _ in ref]
-        before = [g.rejected for g in ref]
-        want = accept_tokens(ref, toks)
-        for g, t in zip(ref, toks):
-            g.appended(t)
-        a = fill_token_masks(ref, len(VOCAB))
-        pending = accept_ahead(job_side, toks)
-        job = start_fill(job_side, len(VOCAB), MaskRows(2), background=background, accept=pending)
-        if job is None:  # nothing left to fill: the caller accepts alone
-            assert a is None and (pending is None or want == 0)
-            break
-        b = job.result()
-        assert job.refused == want
-        for g, t in zip(job_side, toks):
-            g.appended(t)
-        assert [(g.terminated, g.rejected, g.ahead) for g in job_side] == [(g.terminated, g.rejected, 0) for g in ref]
-        assert a is not None
-        refused_stop = {i for i, (g, t) in enumerate(zip(ref, toks)) if t == 0 and not g.terminated
-                        and g.rejected > before[i]}
-        assert set(a.rows) - set(b.rows) == refused_stop and set(b.rows) <= set(a.rows)
-        for j, i in enumerate(b.rows):
-            assert torch.equal(b.masks[j], a.masks[a.rows.index(i)])
-    assert any(g.rejected for g in ref)
 
 
 def test_upload_copies_the_rows_handed_out(compiled):
