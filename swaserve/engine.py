@@ -1,4 +1,4 @@
-"""Engine: add_request / step / abort over the scheduler, runner and sampler (the offline `LLM` is in llm.py)."""
+"""Engine: add_request / step / abort over the scheduler, runner and sampler (offline `LLM`: llm.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import importlib.util
 import secrets
 import time
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,10 +16,10 @@ from swaserve.admission import check_options, prompt_ids
 from swaserve.config import split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
+from swaserve.engine_stats import EngineStats, engine_counters, kv_cache_dtypes, memory_stats
 from swaserve.grammar import GrammarCompiler, SequenceGrammar, accept_tokens
 from swaserve.launcher import LaunchedStep, StepLauncher
 from swaserve.loader import LoadedModel
-from swaserve.memory.planner import kv_dtype_name
 from swaserve.model_config import ModelConfig
 from swaserve.request import RequestOutput, SamplingParams
 from swaserve.request_group import RequestGroup, SeqDelta, group_output, prompt_logprobs_of
@@ -28,14 +27,6 @@ from swaserve.scheduler.req import Req
 
 if TYPE_CHECKING:
     from swaserve.distributed.lead import TensorParallel
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens_total: int = 0
-    retractions_total: int = 0
-    step_wait_seconds: float = 0.0  # the step loop blocked on the device for a step's tokens
-    grammar_rejected: int = 0  # sampled tokens a grammar refused (0 unless one was drawn past its mask)
 
 
 class Engine:
@@ -309,60 +300,20 @@ class Engine:
         return outs
 
     def counters(self) -> dict[str, int]:
-        """`memory_stats()` plus the token, retraction and prefix-cache totals: the names /metrics
-        exports. `prefix_cache_hit_tokens_total` + `prefix_cache_miss_tokens_total` = prompt tokens
-        of every sequence's first admission (n > 1 counts each sequence)."""
-        prefix = self.scheduler.prefix
-        hit, query = (prefix.hit_tokens, prefix.query_tokens) if prefix is not None else (0, 0)
-        spec = self.scheduler.speculation
-        return {**self.memory_stats(), "prompt_tokens_total": self.stats.prompt_tokens_total,
-                "generation_tokens_total": self.scheduler.generated_total,
-                "retractions_total": self.stats.retractions_total,
-                "prefix_cache_hit_tokens_total": hit, "prefix_cache_miss_tokens_total": query - hit,
-                "spec_draft_tokens_total": spec.drafted_total if spec is not None else 0,
-                "spec_accepted_tokens_total": spec.accepted_total if spec is not None else 0,
-                "prompt_logprob_tokens_total": self.launcher.prompt_tokens_scored,
-                "grammar_mask_fill_ms_total": int(self.launcher.mask_fill_seconds * 1000),
-                "grammar_mask_wait_ms_total": int(self.launcher.mask_wait_seconds * 1000),
-                "grammar_masked_rows_total": self.launcher.masked_rows,
-                "grammar_rejected_tokens_total": self.stats.grammar_rejected,
-                "step_wait_ms_total": int(self.stats.step_wait_seconds * 1000),
-                **(self.grammars.counters() if self.grammars is not None else GrammarCompiler.idle_counters())}
+        """`memory_stats()` plus the token, retraction, prefix-cache, speculation and structured-output
+        totals: the names /metrics exports (`engine_stats.engine_counters`)."""
+        return engine_counters(self)
 
     def kv_cache_dtypes(self) -> dict[str, str]:
         """Each pool's K/V storage dtype by name ("full", and "swa" for a hybrid SWA pool): e.g.
         {"full": "fp8_e4m3", "swa": "bfloat16"}."""
-        plan = self.plan
-        out = {"full": kv_dtype_name(plan.full_dtype)} if plan.full_dtype is not None else {}
-        if plan.hybrid and plan.swa_dtype is not None:
-            out["swa"] = kv_dtype_name(plan.swa_dtype)
-        return out
+        return kv_cache_dtypes(self.plan)
 
     def startup_line(self) -> str:
         """The values chosen for the options left unset and why, and the KV pools: one line."""
         return f"{self.sizing.line()}; KV cache {self.plan.describe()}"
 
     def memory_stats(self) -> dict[str, int]:
-        """Per pool: `used` (held by requests, or by cache they lock), `cached` (held by the prefix
-        cache, locked or not), `total`. Slots neither used nor free are unlocked cache, which an
-        allocation evicts when it needs them: used + free + (cached - locked cache) = total. And each
-        pool's storage width (`*_kv_dtype_bits`; the dtypes by name: `kv_cache_dtypes()`)."""
-        alloc = self.allocator
-        full = getattr(alloc, "full", alloc)
-        swa = getattr(alloc, "swa", None)
-        prefix = self.scheduler.prefix
-        cache = prefix.cache if prefix is not None else None
-        return {
-            "full_tokens_used": full.used() - (cache.full_evictable if cache is not None else 0),
-            "full_tokens_cached": cache.full_cached if cache is not None else 0,
-            "full_tokens_total": full.size,
-            "swa_tokens_used": (swa.used() - (cache.swa_evictable if cache is not None else 0)) if swa is not None else 0,
-            "swa_tokens_cached": cache.swa_cached if cache is not None else 0,
-            "swa_tokens_total": swa.size if swa is not None else 0,
-            # Bits per stored K/V element: 8 for an FP8 (e4m3) pool, 16 for bf16/fp16, 0 without the pool.
-            "full_kv_dtype_bits": self.plan.kv_dtype_bits("full"),
-            "swa_kv_dtype_bits": self.plan.kv_dtype_bits("swa"),
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "retractions": self.scheduler.retractions_total,
-        }
+        """Per pool: used, cached and total KV slots, each pool's storage width, running / waiting
+        requests and retractions (`engine_stats.memory_stats`)."""
+        return memory_stats(self)

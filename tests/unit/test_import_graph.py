@@ -43,7 +43,7 @@ PLANES: list[tuple[str, tuple[str, ...]]] = [
               "grammar/")),
     # drafters and the verify step: they plug into the scheduler and the launcher
     ("speculative", ("speculative/",)),
-    ("engine", ("engine.py", "admission.py", "request_group.py")),
+    ("engine", ("engine.py", "engine_stats.py", "admission.py", "request_group.py")),
     # the ways in: offline LLM, engine-core process, HTTP frontends
     ("io", ("llm.py", "options.py", "core/", "server/")),
     ("entry", ("__init__.py", "__main__.py", "cli.py")),
