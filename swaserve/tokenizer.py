@@ -1,21 +1,16 @@
 """Tokenizer: text <-> ids, chat templates and stop ids over a HF fast tokenizer, built from an HF
-directory or from GGUF metadata (converted once, then cached as tokenizer.json).
+directory or from GGUF metadata (converted once, then cached as tokenizer.json: loader/tokenizer_files.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-_CACHE_VERSION = "1"  # bump when the cached files' meaning changes
 # Stop a turn if the template uses them (Gemma 4 templates end turns with "<turn|>").
 _TURN_ENDS = ("<end_of_turn>", "<turn|>", "<|eot_id|>", "<|im_end|>", "<|end|>")
 
@@ -48,19 +43,6 @@ NO_CHAT_TEMPLATE = (
     "this model has no chat template (a base model): send a plain prompt for completion, or give a "
     "template with --chat-template FILE (`--chat-template gemma`: the built-in Gemma turn format)"
 )
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    # Tokenizer construction logs harmless notices (e.g. "deriving merges"); a normal start prints nothing.
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 class Tokenizer:
@@ -107,10 +89,12 @@ class Tokenizer:
         """From a local HF checkpoint directory (tokenizer.json / tokenizer_config.json)."""
         from transformers import AutoTokenizer
 
+        from swaserve.loader.tokenizer_files import quiet_transformers
+
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"tokenizer directory not found: {path}")
-        with _quiet_transformers():
+        with quiet_transformers():
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         extra: list[int] = []
         gen = path / "generation_config.json"
@@ -125,18 +109,15 @@ class Tokenizer:
         """From a GGUF file's `tokenizer.*` metadata; the converted tokenizer is cached by content."""
         from swaserve.loader.default_model import cache_dir
         from swaserve.loader.gguf import read_gguf_header
+        from swaserve.loader.tokenizer_files import gguf_tokenizer_entry, quiet_transformers
 
         keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
         meta = read_gguf_header(path, string_arrays=keys).metadata
         if "tokenizer.ggml.tokens" not in meta:
             raise ValueError(f"{path} has no tokenizer in its metadata")
-        key = _content_key(meta)
-        entry = cache_dir() / "tokenizers" / key
-        if not (entry / "swaserve.json").is_file():
-            shutil.rmtree(entry, ignore_errors=True)  # a partial entry left by hand; rebuild it
-            _convert_into(meta, entry)
+        entry = gguf_tokenizer_entry(meta, cache_dir() / "tokenizers")
         info = json.loads((entry / "swaserve.json").read_text())
-        with _quiet_transformers():
+        with quiet_transformers():
             hf = PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"), **info["hf_kwargs"])
         return cls(hf, info["chat_template"], info["extra_eos_ids"])
 
@@ -260,77 +241,3 @@ def _check_message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string or a list of text parts")  # noqa: TRY004
     return {"role": m["role"], "content": content, **{k: m[k] for k in _TOOL_KEYS if m.get(k) is not None}}
-
-
-# -- GGUF conversion (once per distinct tokenizer) --------------------------------------------------
-
-
-def _content_key(meta: dict[str, Any]) -> str:
-    # Keyed on the tokenizer's content, not the file's path or mtime: copies share one entry.
-    digest = hashlib.sha256(_CACHE_VERSION.encode())
-    for k in sorted(k for k in meta if k.startswith("tokenizer.")):
-        v = meta[k]
-        digest.update(k.encode())
-        digest.update(
-            v.tobytes()
-            if hasattr(v, "tobytes")
-            else "\x00".join(v).encode()
-            if isinstance(v, list)
-            else repr(v).encode()
-        )
-    return digest.hexdigest()[:24]
-
-
-def _convert_into(meta: dict[str, Any], entry: Path) -> None:
-    try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer
-    except ImportError:  # transformers < 5
-        from transformers.integrations.ggml import (  # type: ignore[attr-defined,no-redef]
-            convert_gguf_tokenizer,
-        )
-
-    def g(key: str) -> Any:
-        return meta.get(f"tokenizer.ggml.{key}")
-
-    tokens: list[str] = g("tokens")
-    kind = g("model")
-    tok_dict: dict[str, Any] = {
-        "tokenizer_type": kind,
-        "pre_tokenizer_type": g("pre"),
-        "tokens": tokens,
-        "scores": g("scores").tolist() if g("scores") is not None else None,
-        "token_type": g("token_type").tolist() if g("token_type") is not None else None,
-    }
-    if g("merges") is not None:
-        tok_dict["merges"] = g("merges")
-    if g("add_space_prefix") is not None:
-        tok_dict["add_prefix_space"] = bool(g("add_space_prefix"))
-    tok_dict = {k: v for k, v in tok_dict.items() if v is not None}
-    with _quiet_transformers():
-        backend, _ = convert_gguf_tokenizer(meta["general.architecture"], tok_dict)
-
-    def name(key: str) -> str | None:
-        token_id = g(key)
-        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
-
-    # llama.cpp adds BOS to sentencepiece ("llama") vocabularies unless the file says otherwise.
-    add_bos = g("add_bos_token") if g("add_bos_token") is not None else kind == "llama"
-    hf_kwargs = {
-        "bos_token": name("bos_token_id"), "eos_token": name("eos_token_id"),
-        "unk_token": name("unknown_token_id"), "pad_token": name("padding_token_id"),
-        "add_bos_token": bool(add_bos), "add_eos_token": bool(g("add_eos_token")),
-    }  # fmt: skip
-    info = {
-        "hf_kwargs": {k: v for k, v in hf_kwargs.items() if v is not None},
-        "chat_template": meta.get("tokenizer.chat_template"),
-        "extra_eos_ids": [int(g(k)) for k in ("eot_token_id", "eom_token_id") if g(k) is not None],
-    }
-    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    backend.save(str(tmp / "tokenizer.json"))
-    (tmp / "swaserve.json").write_text(json.dumps(info))
-    try:
-        os.replace(tmp, entry)  # atomic: readers see the whole entry or none
-    except OSError:  # another process finished first; its entry is identical
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import swaserve.tokenizer as tokmod
+import swaserve.loader.tokenizer_files as tokenizer_files
 from swaserve.loader.gguf import read_gguf_header
 from swaserve.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
@@ -180,7 +180,7 @@ def test_second_load_hits_the_cache(
     def no_conversion(*args: object) -> None:
         raise AssertionError("converted again instead of using the cache")
 
-    monkeypatch.setattr(tokmod, "_convert_into", no_conversion)
+    monkeypatch.setattr(tokenizer_files, "convert_into", no_conversion)
     start = time.perf_counter()
     again = Tokenizer.from_gguf(embedded_gguf)
     print(f"warm tokenizer load: {time.perf_counter() - start:.2f}s")
