@@ -18,8 +18,8 @@ from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
 from swaserve.model_config import FULL, SLIDING, ModelConfig, layer_attention_shape
-from swaserve.models.base import NamedWeights
 from swaserve.models.gemma4 import Gemma4DecoderLayer
+from swaserve.models.named_weights import NamedWeights
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch

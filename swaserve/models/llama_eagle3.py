@@ -18,7 +18,7 @@ from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.norm import RMSNorm
 from swaserve.layers.rotary import rope_from_config
 from swaserve.model_config import FULL, layer_attention_shape
-from swaserve.models.base import NamedWeights
+from swaserve.models.named_weights import NamedWeights
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch

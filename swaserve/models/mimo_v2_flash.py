@@ -19,7 +19,8 @@ from swaserve.layers.mlp import GatedMLP
 from swaserve.layers.moe import GroupedTopKRouter, StackedExperts, routed_rows
 from swaserve.layers.rotary import RotaryEmbedding, rope_from_config
 from swaserve.model_config import SLIDING
-from swaserve.models.base import CausalLM, DecoderLayer, NamedWeights, RoutedDecoderLayer
+from swaserve.models.base import CausalLM, DecoderLayer, RoutedDecoderLayer
+from swaserve.models.named_weights import NamedWeights
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch

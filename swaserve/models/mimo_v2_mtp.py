@@ -19,7 +19,7 @@ from torch import nn
 from swaserve.layers import fp8
 from swaserve.layers.norm import RMSNorm
 from swaserve.model_config import SLIDING
-from swaserve.models.base import STACKED_PARAMS, NamedWeights
+from swaserve.models.named_weights import STACKED_PARAMS, NamedWeights
 from swaserve.models.quantization import keep_stored_dtypes
 
 if TYPE_CHECKING:
