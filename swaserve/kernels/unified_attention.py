@@ -20,6 +20,8 @@ Tiles and launch settings depend only on the head dim, GQA group, dtype, layer k
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +53,7 @@ def _unified_kernel(
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    ROWWISE: tl.constexpr, KV_FP8: tl.constexpr,
+    ROWWISE: tl.constexpr, KV_FP8: tl.constexpr, E4M3_WORDS: tl.constexpr,
 ):
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
@@ -104,7 +106,7 @@ def _unified_kernel(
         m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, first, first + UNIT - 1, lo,
                           hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_t, stride_kt,
                           stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
-                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
+                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE, E4M3_WORDS)
         part = ((q_lo + t) * H + heads) * NP + s  # [BLOCK_M] int64
         tl.store(part_acc + part[:, None] * DV + dv[None, :], acc,
                  mask=rmask[:, None] & (dv[None, :] < DV))
@@ -118,7 +120,7 @@ def _unified_kernel(
             m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, c * CHUNK,
                               c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
                               window, stride_t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
-                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
+                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE, E4M3_WORDS)
             M, L, ACC = _fold(M, L, ACC, m, l, acc)
         if KV_FP8:
             ACC = ACC * tl.load(v_scale)
@@ -142,6 +144,14 @@ def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
     return 64, 4, 2
 
 
+def fp8_word_tiles() -> bool:
+    """Opt-in (SWASERVE_FP8_WORD_TILES=1): an e4m3 pool's tiles read as 16-bit words (`unified_reduce._load_kv`),
+    which lets its decode programs keep the 16-row tile instead of the extend's 64 rows (`decode_config`).
+    Compiled for sm_90 on the CPU, every MMA operand is then 2 wide as the bf16 pool's; not yet run on a GPU
+    (the 64-row tile doubles the deterministic FP8 decode step: docs/memory.md)."""
+    return os.environ.get("SWASERVE_FP8_WORD_TILES") == "1"
+
+
 def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
                   fp8_warps: int | None = None) -> tuple[int, int, int]:
     """(rows, num_warps, num_stages) of a decode program: one token's query heads in the smallest
@@ -157,7 +167,9 @@ def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
     sm_90 (`tests/kernels/compile_sm90.py`, Triton 3.9): under 64 rows Hopper runs the older MMA, and the
     e4m3 V tile reaches it converted after its shared-memory load, as operands 4 elements wide along K
     (bf16 tiles: 2), which sums the products in another order. With 64 rows it is converted before the
-    shared memory, 2 wide, for the warpgroup MMA, as in the extend; the GPU test passes."""
+    shared memory, 2 wide, for the warpgroup MMA, as in the extend; the GPU test passes. With
+    `fp8_word_tiles()` (opt-in, not yet run on a GPU) an e4m3 pool keeps the 16-row tile: its tiles are read
+    as words, which keeps the older MMA's operands 2 wide."""
     stages = 3 if sliding or programs == "request" else 2
     if fp8_warps is not None:
         return BLOCK_M, fp8_warps, stages
@@ -252,13 +264,15 @@ def unified_attention(
     if launch is not None:
         block_m, warps, stages = launch
     elif decode:
-        block_m, warps, stages = decode_config(group_p, window is not None, programs, warps if fp8 else None)
+        words = fp8 and fp8_word_tiles()
+        block_m, warps, stages = decode_config(group_p, window is not None, programs, warps if fp8 and not words else None)
     else:
         block_m = BLOCK_M
     grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if split and programs == "block" else chunk, NP=np_, H=H,
-                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, KV_FP8=fp8)
+                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, KV_FP8=fp8,
+                 E4M3_WORDS=fp8 and fp8_word_tiles())
     has_slots = decode and slots is not None
     if has_slots:
         assert window is not None and slots.dtype == torch.int32, "slots: int32, for a sliding layer"
