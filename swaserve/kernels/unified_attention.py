@@ -120,7 +120,8 @@ def _unified_kernel(
             m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, c * CHUNK,
                               c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
                               window, stride_t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
-                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE, E4M3_WORDS)
+                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE,
+                              E4M3_WORDS)
             M, L, ACC = _fold(M, L, ACC, m, l, acc)
         if KV_FP8:
             ACC = ACC * tl.load(v_scale)
@@ -145,8 +146,8 @@ def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
 
 
 def fp8_word_tiles() -> bool:
-    """Opt-in (SWASERVE_FP8_WORD_TILES=1): an e4m3 pool's tiles read as 16-bit words (`unified_reduce._load_kv`),
-    which lets its decode programs keep the 16-row tile instead of the extend's 64 rows (`decode_config`).
+    """Opt-in (SWASERVE_FP8_WORD_TILES=1): an e4m3 pool's tiles read as 16-bit words
+    (`unified_reduce._load_kv`), so its decode programs keep the 16-row tile, not the extend's 64 rows.
     Compiled for sm_90 on the CPU, every MMA operand is then 2 wide as the bf16 pool's; not yet run on a GPU
     (the 64-row tile doubles the deterministic FP8 decode step: docs/memory.md)."""
     return os.environ.get("SWASERVE_FP8_WORD_TILES") == "1"
@@ -261,18 +262,21 @@ def unified_attention(
         np_ = nc * (chunk // block_n if programs == "block" else 1)
         part_acc = torch.empty(T, H, np_, DV, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, H, np_, 2, dtype=torch.float32, device=q.device)
+    words = fp8 and fp8_word_tiles()
+    if words:  # 16-bit words: every row and head of the pool starts at an even byte
+        assert DK % 2 == DV % 2 == 0, (DK, DV)
+        assert all(s % 2 == 0 for s in (*k_buf.stride()[:2], *v_buf.stride()[:2])), (k_buf.stride(), v_buf.stride())
     if launch is not None:
         block_m, warps, stages = launch
     elif decode:
-        words = fp8 and fp8_word_tiles()
-        block_m, warps, stages = decode_config(group_p, window is not None, programs, warps if fp8 and not words else None)
+        block_m, warps, stages = decode_config(group_p, window is not None, programs,
+                                               warps if fp8 and not words else None)
     else:
         block_m = BLOCK_M
     grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if split and programs == "block" else chunk, NP=np_, H=H,
-                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, KV_FP8=fp8,
-                 E4M3_WORDS=fp8 and fp8_word_tiles())
+                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, KV_FP8=fp8, E4M3_WORDS=words)
     has_slots = decode and slots is not None
     if has_slots:
         assert window is not None and slots.dtype == torch.int32, "slots: int32, for a sliding layer"

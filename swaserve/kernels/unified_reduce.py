@@ -58,7 +58,8 @@ def _e4m3_value(b):
 
 
 @triton.jit
-def _load_kv(buf, slot, stride_t, head_off, kmask, D: tl.constexpr, d, ty: tl.constexpr, E4M3_WORDS: tl.constexpr):
+def _load_kv(buf, slot, stride_t, head_off, kmask, D: tl.constexpr, d, ty: tl.constexpr,
+             E4M3_WORDS: tl.constexpr):
     """A key block's K or V tile `[len(slot), len(d)]` (0 where masked): as stored, or with `E4M3_WORDS` in
     the MMA's dtype `ty`.
 
@@ -72,15 +73,17 @@ def _load_kv(buf, slot, stride_t, head_off, kmask, D: tl.constexpr, d, ty: tl.co
     if E4M3_WORDS:
         p16 = buf.to(tl.pointer_type(tl.int16), bitcast=True) + head_off // 2
         c = tl.arange(0, d.shape[0] // 2)
-        w = tl.load(p16 + (slot * (stride_t // 2))[:, None] + c[None, :], mask=kmask[:, None] & (c[None, :] < D // 2),
-                    other=0).to(tl.int32)
+        w = tl.load(p16 + (slot * (stride_t // 2))[:, None] + c[None, :],
+                    mask=kmask[:, None] & (c[None, :] < D // 2), other=0).to(tl.int32)
         w = w + tl.where(w < 0, 65536, 0)  # the word as unsigned
-        w = tl.reshape(tl.broadcast_to(w[:, :, None], [slot.shape[0], d.shape[0] // 2, 2]), [slot.shape[0], d.shape[0]])
+        w = tl.reshape(tl.broadcast_to(w[:, :, None], [slot.shape[0], d.shape[0] // 2, 2]),
+                       [slot.shape[0], d.shape[0]])
         hi = w >> 8
-        t = _e4m3_value(tl.where((d % 2 == 1)[None, :], hi, w - (hi << 8))).to(ty)  # little-endian: even = low
+        # little-endian: an even column is its word's low byte
+        t = _e4m3_value(tl.where((d % 2 == 1)[None, :], hi, w - (hi << 8))).to(ty)
     else:
-        t = tl.load(buf + slot[:, None] * stride_t + head_off + d[None, :], mask=kmask[:, None] & (d[None, :] < D),
-                    other=0.0)
+        t = tl.load(buf + slot[:, None] * stride_t + head_off + d[None, :],
+                    mask=kmask[:, None] & (d[None, :] < D), other=0.0)
     return t
 
 
