@@ -1,5 +1,5 @@
-"""What an engine (`swaserve.engine.Engine`, passed in) reports: its counters (`LLM.stats()`, the names /metrics exports), its pools' occupancy
-(`memory_stats`) and storage dtypes."""
+"""What an engine (`swaserve.engine.Engine`, passed in) reports: its counters (`LLM.stats()`, the names
+/metrics exports), its pools' occupancy (`memory_stats`) and storage dtypes."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def engine_counters(engine: Any) -> dict[str, int]:
             "grammar_masked_rows_total": engine.launcher.masked_rows,
             "grammar_rejected_tokens_total": engine.stats.grammar_rejected,
             "step_wait_ms_total": int(engine.stats.step_wait_seconds * 1000),
-            **(engine.grammars.counters() if engine.grammars is not None else GrammarCompiler.idle_counters())}
+            **(engine.grammars.counters() if engine.grammars is not None
+               else GrammarCompiler.idle_counters())}
 
 
 def memory_stats(engine: Any) -> dict[str, int]:
@@ -56,7 +57,8 @@ def memory_stats(engine: Any) -> dict[str, int]:
         "full_tokens_used": full.used() - (cache.full_evictable if cache is not None else 0),
         "full_tokens_cached": cache.full_cached if cache is not None else 0,
         "full_tokens_total": full.size,
-        "swa_tokens_used": (swa.used() - (cache.swa_evictable if cache is not None else 0)) if swa is not None else 0,
+        "swa_tokens_used": (swa.used() - (cache.swa_evictable if cache is not None else 0))
+        if swa is not None else 0,
         "swa_tokens_cached": cache.swa_cached if cache is not None else 0,
         "swa_tokens_total": swa.size if swa is not None else 0,
         # Bits per stored K/V element: 8 for an FP8 (e4m3) pool, 16 for bf16/fp16, 0 without the pool.

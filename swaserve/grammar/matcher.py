@@ -53,7 +53,8 @@ def accept_tokens(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) ->
     """Each grammar accepts its token ahead of the sequence's append (`SequenceGrammar.appended`), the live
     ones in one xgrammar call: the step loop does this first thing after a step's tokens arrive, so the
     next step's masks can start filling before the rest of the step's output is processed. Returns how many
-    tokens were refused: 0 unless a token was sampled past its row's mask (`grammar_rejected_tokens_total`)."""
+    tokens were refused: 0 unless a token was sampled past its row's mask
+    (`grammar_rejected_tokens_total`)."""
     live = []
     for g in grammars:
         g.ahead += 1
