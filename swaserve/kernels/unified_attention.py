@@ -161,16 +161,13 @@ def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
     helps there, and in a program that streams a request's whole context, not in a full layer's
     chunk or block program (H100, benchmarks/results/h100_unified_attention_sweep*.log).
 
-    `fp8_warps` (an e4m3 pool): the extend tile's 64 rows and warps. With 16 rows an FP8 pool's decode
-    gave a few outputs other bits than its extend (64 rows) and than a bf16 pool holding the same values,
-    while the bf16 pool's decode and extend agreed (H200, tests/gpu/test_unified_fp8_gpu.py; an exact
-    e4m3 decode by bit fields changed nothing, so not the conversion). The cause, in the code compiled for
-    sm_90 (`tests/kernels/compile_sm90.py`, Triton 3.9): under 64 rows Hopper runs the older MMA, and the
-    e4m3 V tile reaches it converted after its shared-memory load, as operands 4 elements wide along K
-    (bf16 tiles: 2), which sums the products in another order. With 64 rows it is converted before the
-    shared memory, 2 wide, for the warpgroup MMA, as in the extend; the GPU test passes. With
-    `fp8_word_tiles()` (opt-in, not yet run on a GPU) an e4m3 pool keeps the 16-row tile: its tiles are read
-    as words, which keeps the older MMA's operands 2 wide."""
+    `fp8_warps` (an e4m3 pool): the extend tile's 64 rows and warps. On the older MMA that a 16-row tile
+    gets, a tile loaded as e4m3 bytes is fed as operands 4 wide along K (bf16: 2): another summation
+    order, so an FP8 pool's decode parted from its extend and from a bf16 pool holding the same values
+    by a few outputs (H200, tests/gpu/test_unified_fp8_gpu.py; the mechanism in `unified_reduce._load_kv`).
+    The 64-row tile (the warpgroup MMA, as the extend) agrees, at twice the deterministic decode step
+    (docs/memory.md). With `fp8_word_tiles()` (opt-in, not yet run on a GPU) an e4m3 pool keeps the
+    16-row tile: its tiles are read as words, which keeps the operands 2 wide."""
     stages = 3 if sliding or programs == "request" else 2
     if fp8_warps is not None:
         return BLOCK_M, fp8_warps, stages
@@ -265,7 +262,8 @@ def unified_attention(
     words = fp8 and fp8_word_tiles()
     if words:  # 16-bit words: every row and head of the pool starts at an even byte
         assert DK % 2 == DV % 2 == 0, (DK, DV)
-        assert all(s % 2 == 0 for s in (*k_buf.stride()[:2], *v_buf.stride()[:2])), (k_buf.stride(), v_buf.stride())
+        strides = (*k_buf.stride()[:2], *v_buf.stride()[:2])
+        assert all(s % 2 == 0 for s in strides), strides
     if launch is not None:
         block_m, warps, stages = launch
     elif decode:
