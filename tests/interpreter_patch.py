@@ -17,6 +17,10 @@ Also an xor reduction (`tl.xor_sum`, which every compare-and-swap stage of `tl.s
 numpy `bitwise_xor.reduce` instead of the interpreter's generic reduce, a Python call per element. Xor
 is exact, so the values are the same. Both together: `kernels.fused_moe._align_kernel` (one `tl.sort` of
 2048 int32 keys) 5.9 -> 0.13 s a call.
+
+And a launch keyword that is neither the kernel's parameter nor a compile option raises, as a compiled
+launch does (`KeyError: Keyword argument ... was specified but unrecognised`); the interpreter drops it
+silently, so a constexpr passed to the wrong kernel passed every CPU test and failed every GPU one.
 """
 
 from __future__ import annotations
@@ -51,7 +55,13 @@ def install() -> None:
             seen[key] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
         return seen[key]
 
+    options = _launch_options()
+
     def launch(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - set(self.arg_names) - options)
+        if unknown:
+            raise KeyError(f"Keyword argument {unknown[0]} was specified but unrecognised "
+                           f"(kernel {self.fn.__name__})")
         running.append(set(langs(self.fn)))
         try:
             return launch_call(self, *args, **kwargs)
@@ -72,6 +82,16 @@ def install() -> None:
     executor.__call__, helper.__call__ = launch, call
     _fast_xor_reduce(ti, tl)
     _installed = True
+
+
+def _launch_options() -> set[str]:
+    """The keywords a compiled launch takes besides the kernel's parameters: the CUDA backend's options."""
+    names = {"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "launch_cooperative_grid"}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return names
+    return names | set(getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
 def _fast_xor_reduce(ti, tl) -> None:

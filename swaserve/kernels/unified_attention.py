@@ -274,7 +274,7 @@ def unified_attention(
     grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if split and programs == "block" else chunk, NP=np_, H=H,
-                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, KV_FP8=fp8, E4M3_WORDS=words)
+                 HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, KV_FP8=fp8)
     has_slots = decode and slots is not None
     if has_slots:
         assert window is not None and slots.dtype == torch.int32, "slots: int32, for a sliding layer"
@@ -290,7 +290,8 @@ def unified_attention(
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split,
         HAS_MAP=full_to_swa is not None and not has_slots, HAS_SLOTS=has_slots,
-        HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), **const,
+        HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), E4M3_WORDS=words,
+        **const,
         num_warps=warps, num_stages=stages,
     )
     if split:
