@@ -23,7 +23,7 @@
 # tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py), fp8_g4 (Gemma-4-26B-A4B --quantization fp8 vs
 # bf16: probes and decode table, benchmarks/fp8_weights.py) and fp8_kv (the FP8 KV cache: kernel tests
 # natively with tests/gpu/test_unified_fp8_gpu.py, tests/gpu/test_fp8_kv_gpu.py (FP8_KV_TESTS: a -k filter), benchmarks/fp8_kv.py),
-# fp8_words (the opt-in FP8 word tiles: bits on the GPU, deterministic decode step off / on) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
+# and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
 # its released shape in FP8, TP=4: decode table and offline run, then 200 @ 128 served); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
 # table; EP_ARGS adds offline_throughput.py options), scaling (the same table over SCALE_LAYOUTS, default
@@ -135,14 +135,6 @@ for step in "${steps[@]}"; do
             # installed (`python benchmarks/fp8_kv.py --parts agreement`)
             run fp8_kv_bench 540 python3 benchmarks/fp8_kv.py --shape 12b --kv-gib 40 --decode-shape 4b --ctx 8192 \
                 --bs 64 --probes 64 --parts "${FP8_KV_PARTS:-capacity,decode}" ;;
-        fp8_words)  # issue 37: the opt-in FP8 word tiles (SWASERVE_FP8_WORD_TILES=1, 16-row decode tile): decode ==
-            # extend == bf16 pool on the GPU (both tiles), then the deterministic decode step without and with them
-            SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_words_kernels 300 python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_fp8_kv.py tests/gpu/test_unified_fp8_gpu.py
-            for w in 0 1; do
-                SWASERVE_FP8_WORD_TILES=$w run "fp8_words_det_$w" 200 python3 benchmarks/fp8_kv.py --parts decode \
-                    --deterministic --decode-shape 4b --bs 64 --ctx 8192
-            done ;;
         so_1b|so_4b)  # issue 38: 256 concurrent requests with a JSON schema vs without (1B / 4B shape, random
             # weights; the 4B's step is the device's, not the host loop's). SO_ARGS adds options, e.g. --fill-threads 1,2
             # shellcheck disable=SC2086  # the options are words

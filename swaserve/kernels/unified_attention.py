@@ -20,8 +20,6 @@ Tiles and launch settings depend only on the head dim, GQA group, dtype, layer k
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -53,7 +51,7 @@ def _unified_kernel(
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    ROWWISE: tl.constexpr, KV_FP8: tl.constexpr, E4M3_WORDS: tl.constexpr,
+    ROWWISE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
@@ -106,7 +104,7 @@ def _unified_kernel(
         m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, first, first + UNIT - 1, lo,
                           hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_t, stride_kt,
                           stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
-                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE, E4M3_WORDS)
+                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
         part = ((q_lo + t) * H + heads) * NP + s  # [BLOCK_M] int64
         tl.store(part_acc + part[:, None] * DV + dv[None, :], acc,
                  mask=rmask[:, None] & (dv[None, :] < DV))
@@ -120,8 +118,7 @@ def _unified_kernel(
             m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, c * CHUNK,
                               c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
                               window, stride_t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
-                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE,
-                              E4M3_WORDS)
+                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
             M, L, ACC = _fold(M, L, ACC, m, l, acc)
         if KV_FP8:
             ACC = ACC * tl.load(v_scale)
@@ -145,14 +142,6 @@ def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
     return 64, 4, 2
 
 
-def fp8_word_tiles() -> bool:
-    """Opt-in (SWASERVE_FP8_WORD_TILES=1): an e4m3 pool's tiles read as 16-bit words
-    (`unified_reduce._load_kv`), so its decode programs keep the 16-row tile, not the extend's 64 rows.
-    Compiled for sm_90 on the CPU, every MMA operand is then 2 wide as the bf16 pool's; not yet run on a GPU
-    (the 64-row tile doubles the deterministic FP8 decode step: docs/memory.md)."""
-    return os.environ.get("SWASERVE_FP8_WORD_TILES") == "1"
-
-
 def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
                   fp8_warps: int | None = None) -> tuple[int, int, int]:
     """(rows, num_warps, num_stages) of a decode program: one token's query heads in the smallest
@@ -162,12 +151,11 @@ def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
     chunk or block program (H100, benchmarks/results/h100_unified_attention_sweep*.log).
 
     `fp8_warps` (an e4m3 pool): the extend tile's 64 rows and warps. On the older MMA that a 16-row tile
-    gets, a tile loaded as e4m3 bytes is fed as operands 4 wide along K (bf16: 2): another summation
-    order, so an FP8 pool's decode parted from its extend and from a bf16 pool holding the same values
-    by a few outputs (H200, tests/gpu/test_unified_fp8_gpu.py; the mechanism in `unified_reduce._load_kv`).
+    gets, a tile loaded as e4m3 bytes is fed as operands 4 wide along K (bf16: 2; `tests/kernels/
+    compile_sm90.py` shows it): another summation order, so an FP8 pool's decode parted from its extend
+    and from a bf16 pool holding the same values by a few outputs (H200, tests/gpu/test_unified_fp8_gpu.py).
     The 64-row tile (the warpgroup MMA, as the extend) agrees, at twice the deterministic decode step
-    (docs/memory.md). With `fp8_word_tiles()` (opt-in, not yet run on a GPU) an e4m3 pool keeps the
-    16-row tile: its tiles are read as words, which keeps the operands 2 wide."""
+    (docs/memory.md, which also has the 16-row variants tried and measured)."""
     stages = 3 if sliding or programs == "request" else 2
     if fp8_warps is not None:
         return BLOCK_M, fp8_warps, stages
@@ -259,16 +247,10 @@ def unified_attention(
         np_ = nc * (chunk // block_n if programs == "block" else 1)
         part_acc = torch.empty(T, H, np_, DV, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, H, np_, 2, dtype=torch.float32, device=q.device)
-    words = fp8 and fp8_word_tiles()
-    if words:  # 16-bit words: every row and head of the pool starts at an even byte
-        assert DK % 2 == DV % 2 == 0, (DK, DV)
-        strides = (*k_buf.stride()[:2], *v_buf.stride()[:2])
-        assert all(s % 2 == 0 for s in strides), strides
     if launch is not None:
         block_m, warps, stages = launch
     elif decode:
-        block_m, warps, stages = decode_config(group_p, window is not None, programs,
-                                               warps if fp8 and not words else None)
+        block_m, warps, stages = decode_config(group_p, window is not None, programs, warps if fp8 else None)
     else:
         block_m = BLOCK_M
     grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
@@ -290,8 +272,7 @@ def unified_attention(
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split,
         HAS_MAP=full_to_swa is not None and not has_slots, HAS_SLOTS=has_slots,
-        HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), E4M3_WORDS=words,
-        **const,
+        HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), **const,
         num_warps=warps, num_stages=stages,
     )
     if split:

@@ -47,52 +47,11 @@ def _row_sum(p, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr)
 
 
 @triton.jit
-def _e4m3_value(b):
-    """e4m3 bits (int32, 0..255) -> their value in float32, exactly (no NaN: the pools saturate). Shifts and
-    differences only: an `& 0xFF` may become an 8-bit type in the compiled code (see `_load_kv`)."""
-    sign = b >> 7
-    em = b - (sign << 7)
-    normal = ((sign << 31) | ((em + 960) << 20)).to(tl.float32, bitcast=True)  # exponent +120
-    sub = em.to(tl.float32) * 0.001953125  # subnormal: m * 2**-9
-    return tl.where(em >= 8, normal, tl.where(sign != 0, -sub, sub))
-
-
-@triton.jit
-def _load_kv(buf, slot, stride_t, head_off, kmask, D: tl.constexpr, d, ty: tl.constexpr,
-             E4M3_WORDS: tl.constexpr):
-    """A key block's K or V tile `[len(slot), len(d)]` (0 where masked): as stored, or with `E4M3_WORDS` in
-    the MMA's dtype `ty`.
-
-    `E4M3_WORDS` (an e4m3 pool; opt-in, `unified_attention.fp8_word_tiles`): read as 16-bit words, each
-    broadcast to its two columns, and the bytes decoded by shifts. Triton sizes the older MMA's operands
-    (a 16-row decode tile) by the narrowest type they derive from: an e4m3 tile loaded as bytes made them
-    4 wide along K (bf16: 2), another summation order than the extend's and the bf16 pool's; and a tile
-    built with `tl.join` / `tl.interleave` made even a bf16 tile 4 wide (Triton 3.6 and 3.9, sm_90, seen
-    on the CPU with tests/kernels/compile_sm90.py). Words broadcast keep it 2 wide in both, with 16-byte
-    loads."""
-    if E4M3_WORDS:
-        p16 = buf.to(tl.pointer_type(tl.int16), bitcast=True) + head_off // 2
-        c = tl.arange(0, d.shape[0] // 2)
-        w = tl.load(p16 + (slot * (stride_t // 2))[:, None] + c[None, :],
-                    mask=kmask[:, None] & (c[None, :] < D // 2), other=0).to(tl.int32)
-        w = w + tl.where(w < 0, 65536, 0)  # the word as unsigned
-        w = tl.reshape(tl.broadcast_to(w[:, :, None], [slot.shape[0], d.shape[0] // 2, 2]),
-                       [slot.shape[0], d.shape[0]])
-        hi = w >> 8
-        # little-endian: an even column is its word's low byte
-        t = _e4m3_value(tl.where((d % 2 == 1)[None, :], hi, w - (hi << 8))).to(ty)
-    else:
-        t = tl.load(buf + slot[:, None] * stride_t + head_off + d[None, :],
-                    mask=kmask[:, None] & (d[None, :] < D), other=0.0)
-    return t
-
-
-@triton.jit
 def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, lo, hi, q_pos, rmask, kvh, dk,
           dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
           DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_DV: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-          UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr, E4M3_WORDS: tl.constexpr):
+          UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr):
     """The tile's softmax state over the aligned key blocks of positions first..last that some row
     sees (keys lo..hi): each block's state from zero, folded in block order. Position p's slot is
     `req_to_token[row, p - pos0]` (a request table, or a decode step's window slot table). One
@@ -109,8 +68,10 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, 
         slot = tl.load(req_to_token + row * stride_r2t + (kp - pos0), mask=kmask, other=0).to(tl.int64)
         if HAS_MAP:  # SWA-pool layer: prefix and new tokens alike through full_to_swa
             slot = tl.load(full_to_swa + slot, mask=kmask, other=0).to(tl.int64)
-        k_t = _load_kv(k_buf, slot, stride_kt, kvh * stride_kh, kmask, DK, dk, q_t.dtype, E4M3_WORDS)
-        v_t = _load_kv(v_buf, slot, stride_vt, kvh * stride_vh, kmask, DV, dv, q_t.dtype, E4M3_WORDS)
+        k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],
+                      mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+        v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
+                      mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
         s = _scores(_dot_rows(q_t, tl.trans(k_t.to(q_t.dtype)), UPCAST, PREC, ROWWISE), qk_scale, softcap,
                     HAS_SOFTCAP)
         vis = rmask[:, None] & kmask[None, :] & (kp[None, :] <= q_pos[:, None])

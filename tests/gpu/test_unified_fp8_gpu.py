@@ -1,9 +1,7 @@
 """Deterministic attention over an FP8 (e4m3) KV pool, compiled on the GPU, bf16 queries, real head
 shapes: a one-token query gives the same bits as a decode (each way of spreading its keys over
 programs) and inside a mixed step's extend launch, and the same bits as over a bf16 pool that holds
-the dequantised values (scale 1: then only the e4m3 -> bf16 conversion differs, which is exact). Both
-ways an FP8 pool's decode can run: the extend's 64-row tile (default) and the 16-row tile over word
-loads (opt-in, `unified_attention.fp8_word_tiles`).
+the dequantised values (scale 1: then only the e4m3 -> bf16 conversion differs, which is exact).
 
 Why: with an FP8 cache, deterministic mode on the GPU parted a probe alone (a decode step) from the
 same probe among others (a mixed step) in a full-attention layer, while a bf16 cache held
@@ -56,13 +54,10 @@ def _pools(lens: list[int], hkv: int, d: int, seed: int, subnormals: bool):
     return p, to(fp8), to(bf16)
 
 
-@pytest.mark.parametrize("words", [False, True], ids=["tile64", "words"])
 @pytest.mark.parametrize("subnormals", [True, False], ids=["subnormals", "normal"])
 @pytest.mark.parametrize("heads", [(4, 1, 256), (8, 4, 256), (16, 8, 128)], ids=["270m", "4b", "d128"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fp8_unified_decode_extend_and_bf16_same_bits(heads, seed, subnormals, words, monkeypatch):
-    """`words`: the opt-in word tiles (SWASERVE_FP8_WORD_TILES=1), the decode on its 16-row tile."""
-    monkeypatch.setenv("SWASERVE_FP8_WORD_TILES", "1" if words else "0")
+def test_fp8_unified_decode_extend_and_bf16_same_bits(heads, seed, subnormals):
     H, Hkv, D = heads
     # A mixed step: one-token rows first (its decodes), then prefill chunks, as the scheduler lays it out.
     reqs = [(700, 1), (1500, 1), (37, 1), (3000, 1), (0, 300), (512, 64), (2000, 129)]

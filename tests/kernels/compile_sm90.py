@@ -7,11 +7,6 @@ Prints one JSON line per kernel. Run by test_compile_sm90.py in a
 subprocess, because the kernel tests' process has Triton in interpreter mode.
 
     python tests/kernels/compile_sm90.py
-
-Its findings are the installed Triton's. The GPU machines run Triton 3.6 (this project's CPU install has
-a newer one), and the two choose some layouts differently: to see what a GPU machine compiles, install
-that version beside (`pip install --no-deps --target /tmp/t36 triton==3.6.0`) and run
-`PYTHONPATH=/tmp/t36:. python tests/kernels/compile_sm90.py` (CPU only; seconds).
 """
 
 from __future__ import annotations
@@ -163,19 +158,6 @@ def _attention_cases() -> list[tuple]:
     return cases
 
 
-def _with_env(name: str, value: str, call):
-    """`call()` with environment variable `name` set to `value` (restored after)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return call()
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
 def _fp8_kv_cases() -> list[tuple]:
     """FP8 (e4m3) KV pools at Gemma 3's head (d256, 4 q heads a kv head, bf16): the stores (the fused
     norm/rotary/store, `store_kv`) and every attention kernel reading e4m3 tiles (decode split and
@@ -214,12 +196,6 @@ def _fp8_kv_cases() -> list[tuple]:
                q, out, pool, pool, table, rows, seq, ip, 1.0, max_extend_len=1, programs=programs, **scales))
           for name, pool, scales in (("fp8 kv", kv, sc), ("bf16 kv", kv.to(bf16), {}))
           for programs in ("block", "chunk", "request")],
-        # The opt-in word tiles (SWASERVE_FP8_WORD_TILES=1): an e4m3 pool's decode keeps the 16-row tile
-        *[(f"unified[fp8 kv words, {kind}]", unified_attention, "_unified_kernel",
-           lambda n=n: _with_env("SWASERVE_FP8_WORD_TILES", "1", lambda: unified_attention.unified_attention(
-               q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=n, window=1024 if n > 1 else None,
-               programs=None if n > 1 else "chunk", **sc)))
-          for kind, n in (("extend", T), ("decode chunk", 1))],
         ("unified merge[fp8 kv, decode]", unified_attention, "_merge_kernel",
          lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=1,
                                                      programs="chunk", **sc)),

@@ -45,13 +45,10 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "decode_stage1[fp8 kv, split]", "decode_stage1[fp8 kv, direct]", "extend[fp8 kv]",
             "unified[fp8 kv, extend]", "unified merge[fp8 kv, decode]", "quant_fp8_groups",
             "unified[fp8 kv, decode request]", "unified[bf16 kv, decode chunk]",
-            "unified[fp8 kv words, extend]", "unified[fp8 kv words, decode chunk]",
             "fp8_gemm[w8a8, 2048 rows]", "fp8_gemm[w8a16, 64 rows]"} <= names
     for r in rows:  # deterministic attention: every MMA operand 2 elements wide along K, e4m3 pools as bf16 ones
         if r["kernel"].startswith("unified["):  # (the older MMA or the warpgroup one: the same bits, measured)
             assert r["dot_kwidths"] == [2], r
-    by_name = {r["kernel"]: r for r in rows}  # the opt-in word tiles keep the decode on the 16-row tile
-    assert not by_name["unified[fp8 kv words, decode chunk]"]["wgmma"] and by_name["unified[fp8 kv, decode chunk]"]["wgmma"]
     for r in rows:
         assert r["fits_h100"], r
         assert r["narrow_reads"] == 0, r  # 16-byte tiles: row strides keep their divisibility (jit_per_batch)

@@ -12,9 +12,6 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; kernel tests need it (CPU: TRITON_INTERPRET=1)")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from kernel_ref import attend_ref, make_pools, tolerances, window_mask  # noqa: E402
 
 from swaserve.kernels.decode_attention import decode_attention  # noqa: E402
@@ -23,7 +20,6 @@ from swaserve.kernels.index_builders import build_kv_indices, kv_indices_capacit
 from swaserve.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from swaserve.kernels.store_kv import store_kv  # noqa: E402
 from swaserve.kernels.unified_attention import unified_attention  # noqa: E402
-from swaserve.kernels.unified_reduce import _load_kv  # noqa: E402
 from swaserve.memory.kv_pool import FP8_KV, dequantize_kv, quantize_kv  # noqa: E402
 
 K_SCALE, V_SCALE = 0.25, 3.0  # not 1: a dropped scale (or K's and V's swapped) changes the result
@@ -192,14 +188,11 @@ def test_extend_attention_fp8_with_prefix(window, device, seed):
 
 # ---- unified (deterministic mode) --------------------------------------------------------------
 
-@pytest.mark.parametrize("words", [False, True], ids=["tile64", "words"])
 @pytest.mark.parametrize("window", [W, None], ids=["swa-space", "full"])
-def test_unified_attention_fp8_matches_reference_and_decode_matches_extend(window, words, device, seed, monkeypatch):
+def test_unified_attention_fp8_matches_reference_and_decode_matches_extend(window, device, seed):
     """An FP8 pool through the request table (and full_to_swa for the SWA pool): extend and mixed rows
     match the reference on dequantised K/V, and each decode row, computed alone as a decode (keys split
-    over programs and merged), has the bits the extend gives the same query; with the extend's 64-row decode
-    tile (default) and with the opt-in word tiles (`unified_attention.fp8_word_tiles`)."""
-    monkeypatch.setenv("SWASERVE_FP8_WORD_TILES", "1" if words else "0")
+    over programs and merged), has the bits the extend gives the same query."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = 4, 2, 32
     reqs = [(0, 21), (5, 7), (7, 1), (70, 1), (60, 10)]
@@ -232,33 +225,3 @@ def test_unified_attention_fp8_matches_reference_and_decode_matches_extend(windo
                           torch.tensor([0, 1], dtype=torch.int32, device=device), 0.125, max_extend_len=1,
                           programs="block", **kw)
         assert torch.equal(dec[0], out[row]), f"request {b}: decode and extend bits differ, seed={seed}"
-
-
-@triton.jit
-def _kv_tile_kernel(buf, out, slots, stride_t, n, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Head 1's K/V tile of `slots` as the unified kernel reads it with word tiles (`_load_kv`), stored."""
-    r = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slots + r).to(tl.int64)
-    t = _load_kv(buf, slot, stride_t, D, r < n, D, d, out.dtype.element_ty, True)
-    tl.store(out + r[:, None] * BLOCK_D + d[None, :], t)
-
-
-def test_word_tiles_decode_every_e4m3_code_exactly(device):
-    """The opt-in word tiles read an e4m3 pool as 16-bit words and decode the bytes by shifts: every finite
-    code, both signs, subnormals and zeros included, gives torch's e4m3 value, in bf16 and fp16; a masked key
-    reads 0 (its slot holds 448)."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 finite codes
-    D = 128
-    pool = torch.zeros(4, 2, D, dtype=torch.uint8)
-    pool[0] = 0x7E  # 448, in the slot only the masked key points at
-    pool[1, 1] = codes[:D]  # slots 1 and 2, head 1
-    pool[2, 1, : codes.numel() - D] = codes[D:]
-    pool = pool.view(torch.float8_e4m3fn).to(device)
-    slots = torch.tensor([2, 1, 3, 0], dtype=torch.int32, device=device)
-    for dtype in (torch.bfloat16, torch.float16):
-        out = torch.full((4, D), float("nan"), dtype=dtype, device=device)
-        _kv_tile_kernel[(1,)](pool, out, slots, pool.stride(0), 3, D=D, BLOCK_N=4, BLOCK_D=D)
-        want = pool[slots.long(), 1].to(dtype)
-        want[3] = 0  # the fourth key (slot 0) is masked
-        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), dtype  # bits: -0.0 stays -0.0
