@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs vs eager on extend steps of a random-weight Gemma 3 shape: prefill chunks of
+"""Piecewise CUDA graphs (and, with --whole, whole extend graphs: attention inside) vs eager on extend steps of a random-weight Gemma 3 shape: prefill chunks of
 64..4096 tokens (captured token counts and padded ones) and mixed steps (running decodes plus a
 prefill chunk). Per step: time off/on (CUDA events around the whole step, host work included:
 launch overhead is what the pieces remove) and whether the final hidden states of every token are
@@ -6,7 +6,7 @@ bit-identical between the two paths. With --profile, where a piecewise mixed ste
 time of the step's launch path (eager attention between the pieces, graph replays) against its wall
 time and the GPU kernel time inside it.
 
-    python benchmarks/piecewise.py [--shape 1b] [--kv-mb 16384] [--deterministic] [--profile]
+    python benchmarks/piecewise.py [--shape 1b] [--kv-mb 16384] [--deterministic] [--profile] [--whole]
     python benchmarks/piecewise.py --smoke     # tiny CPU run (CI): the pieces run eagerly (no CUDA graphs)
 """
 
@@ -52,9 +52,10 @@ class Steps:
         return ForwardBatch.build(ForwardMode.EXTEND, ids, pos, [p[0] for p in parts], [p[2] + p[3] for p in parts],
                                   torch.cat(locs), self.runner.device, [p[2] for p in parts], [p[3] for p in parts])
 
-    def run(self, parts, piecewise, pw, repeats: int) -> tuple[float, torch.Tensor]:
-        """Median step ms and the final hidden states of every token (last repetition)."""
-        self.runner.piecewise = pw if piecewise else None
+    def run(self, parts, pw, repeats: int) -> tuple[float, torch.Tensor]:
+        """Median step ms and the final hidden states of every token (last repetition), through graph
+        runner `pw` (None: eagerly)."""
+        self.runner.piecewise = pw
         times = []
         for i in range(repeats + 2):
             torch.manual_seed(0)
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--json", help="append one JSON line per step here")
     ap.add_argument("--profile", action="store_true", help="only: where the time of each mixed step goes")
+    ap.add_argument("--whole", action="store_true",
+                    help="also whole extend graphs (ExtendGraphRunner, --extend-graph whole): a column of their own")
     a = parse_args(ap, argv, smoke=dict(shape="tiny", chunks="8,12,40", mixed="2+6,4+20", decode_context=40,
                                         repeats=1, kv_mb=64))
     from swaserve.engine import Engine
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=320, max_prefill_tokens=4096,
                     max_context=8192, disable_cuda_graph=True, kv_cache_bytes=a.kv_mb << 20,
                     swa_full_tokens_ratio=1.0, enable_piecewise_cuda_graph=dev.type == "cuda",
-                    enable_deterministic_inference=a.deterministic)
+                    enable_deterministic_inference=a.deterministic,
+                    attention_backend="triton" if a.whole else None)  # (the whole graphs' backend, also on CPU)
     if dev.type != "cuda":  # no CUDA graphs here: the same padded program in pieces, run eagerly
         from swaserve.runner.piecewise_graph import PIECEWISE_MAX_TOKENS, PiecewiseGraphRunner
 
@@ -157,6 +161,11 @@ def main(argv: list[str] | None = None) -> None:
         engine.runner.piecewise = PiecewiseGraphRunner(engine.runner, max_tokens, capture=False)
     steps = Steps(engine)
     pw = engine.runner.piecewise
+    whole = None
+    if a.whole:
+        from swaserve.runner.extend_graph import ExtendGraphRunner
+
+        whole = ExtendGraphRunner(engine.runner, pw.sizes[-1], capture=dev.type == "cuda")
     engine.runner.keep_states = True
     cases = []
     for n in (int(x) for x in a.chunks.split(",")):
@@ -186,12 +195,16 @@ def main(argv: list[str] | None = None) -> None:
     for name, parts in cases:
         T = sum(p[3] for p in parts)
         N = next(s for s in pw.sizes if s >= T)
-        off, h_off = steps.run(parts, False, pw, a.repeats)
-        on, h_on = steps.run(parts, True, pw, a.repeats)
+        off, h_off = steps.run(parts, None, a.repeats)
+        on, h_on = steps.run(parts, pw, a.repeats)
         r = dict(shape=a.shape, step=name, tokens=T, padded_to=N, eager_ms=round(off, 3), piecewise_ms=round(on, 3),
                  speedup=round(off / on, 2), bit_identical=bool(torch.equal(h_off, h_on)),
                  max_abs_diff=float((h_off.float() - h_on.float()).abs().max()),
                  deterministic=a.deterministic, hardware=hardware())
+        if whole is not None:
+            w, h_w = steps.run(parts, whole, a.repeats)
+            r.update(whole_ms=round(w, 3), whole_bit_identical=bool(torch.equal(h_off, h_w)),
+                     whole_max_abs_diff=float((h_off.float() - h_w.float()).abs().max()))
         rows.append(r)
         print(json.dumps(r), flush=True)
         if a.json:
@@ -200,10 +213,15 @@ def main(argv: list[str] | None = None) -> None:
     mode = "deterministic" if a.deterministic else "default"
     graphs = "CUDA graphs" if pw.capture else "pieces run eagerly (no CUDA graphs)"
     print(f"\npiecewise {graphs}, {a.shape} {str(dtype)[6:]}, {mode} mode, {hardware()}")
-    print(f"{'step':>18} {'tokens':>6} {'graph':>6} {'eager ms':>9} {'pieces ms':>9} {'x':>5}  bit-identical")
+    print(f"{'step':>18} {'tokens':>6} {'graph':>6} {'eager ms':>9} {'pieces ms':>9} {'x':>5}  bit-identical"
+          + ("    whole ms     x  vs eager" if whole is not None else ""))
     for r in rows:
-        print(f"{r['step']:>18} {r['tokens']:>6} {r['padded_to']:>6} {r['eager_ms']:>9.3f} {r['piecewise_ms']:>9.3f} "
-              f"{r['speedup']:>5.2f}  {r['bit_identical']} ({r['max_abs_diff']:.2g})")
+        line = (f"{r['step']:>18} {r['tokens']:>6} {r['padded_to']:>6} {r['eager_ms']:>9.3f} {r['piecewise_ms']:>9.3f} "
+                f"{r['speedup']:>5.2f}  {r['bit_identical']} ({r['max_abs_diff']:.2g})")
+        if whole is not None:
+            line += (f"  {r['whole_ms']:>9.3f} {r['eager_ms'] / r['whole_ms']:>5.2f}  {r['whole_bit_identical']} "
+                     f"({r['whole_max_abs_diff']:.2g})")
+        print(line)
 
 
 if __name__ == "__main__":

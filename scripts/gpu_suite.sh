@@ -15,7 +15,8 @@
 # cost under tensor parallelism, Gemma-4-26B-A4B) and det_serve / det_serve_4b (200 @ 128 through the server with --enable-deterministic-inference); for issue 19: spec_graphs
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
-# (piecewise graphs vs eager, tiny families), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
+# (piecewise graphs vs eager, tiny families), whole / svo_whole (issue 39: whole extend graphs, tests, step times,
+# the Poisson set served pieces vs whole), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
 # outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
@@ -172,6 +173,18 @@ PY
             d=$(model_dir 1b)
             run svo_poisson 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
                 --num-requests 256 --request-rate "${SVO_RATE:-68}" --modes offline,stream ${SVO_ARGS:-} ;;
+        whole)  # issue 39: extend steps as one graph replay, attention inside (--extend-graph whole): the GPU
+            # lockstep tests against eager (tiny families, default and deterministic), then step times on 1B
+            run whole_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_piecewise_gpu.py -k whole
+            run whole_1b 300 python3 benchmarks/piecewise.py --shape 1b --kv-mb 16384 --whole ;;
+        svo_whole)  # issue 39: the Poisson set served with piecewise graphs, then with whole extend graphs
+            d=$(model_dir 1b)
+            for g in pieces whole; do
+                # shellcheck disable=SC2086  # the options are words
+                run "svo_$g" 290 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
+                    --num-requests 256 --request-rate "${SVO_RATE:-68}" --modes offline,stream --extend-graph $g \
+                    ${SVO_ARGS:-}
+            done ;;
         svo_poisson_512)  # smaller prefill chunks: shorter mixed steps (ITL) against later first tokens (TTFT)
             d=$(model_dir 1b)
             run svo_poisson_512 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \

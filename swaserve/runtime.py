@@ -203,6 +203,7 @@ def start_runner(rt: Runtime, runner_cfg: RunnerConfig, verify: tuple[int, int] 
             runner.enable_verify_graphs(min(verify[0], sched.max_running_requests), verify[1])
     piecewise = runner_cfg.enable_piecewise_cuda_graph
     if piecewise or (piecewise is None and use_graphs and device.type == "cuda"):
-        runner.enable_piecewise_graphs(min(sched.max_prefill_tokens, PIECEWISE_MAX_TOKENS))
+        runner.enable_piecewise_graphs(min(sched.max_prefill_tokens, PIECEWISE_MAX_TOKENS),
+                                       whole=runner_cfg.extend_graph == "whole")
     if device.type == "cuda":
         runner.warmup()  # the prefill kernels' JIT compiles, before the first request

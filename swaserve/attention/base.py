@@ -39,6 +39,9 @@ class AttentionBackend(ABC):
     # True if a layer may write its new K/V itself, fused with its q/k norm and rotary, at
     # `kv_target(...)`, and then call `forward(..., kv_stored=True)`.
     fused_kv_store: bool = False
+    # True if an extend step (prefill chunks, mixed steps) can run on static request buffers with a
+    # grid fixed by its token count, so a CUDA graph can record it whole (`captured_extend_metadata`).
+    captures_extend: bool = False
 
     def __init__(self, kv: SWAKVPool, req_to_token: ReqToTokenPool, full_to_swa: torch.Tensor | None):
         self.kv = kv

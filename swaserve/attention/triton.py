@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.attention.base import AttentionBackend, AttentionSpec
+from swaserve.attention.triton_captured import CapturedExtendInputs, CapturedExtendMetadata, captured_attention
 from swaserve.h2d import to_device
 from swaserve.kernels import (
     build_kv_indices,
@@ -73,6 +74,7 @@ class TritonAttnBackend(AttentionBackend):
     """
 
     fused_kv_store = True
+    captures_extend = True  # extend steps can be recorded whole (`captured_extend_metadata`)
 
     def __init__(
         self,
@@ -139,6 +141,11 @@ class TritonAttnBackend(AttentionBackend):
         assert self._graph is not None and not batch.is_decode and not self.deterministic
         meta = TritonMetadata(None, None, self._swa_locs(batch), qo_indptr, prefix_lens, q_len)
         self._lists(batch, meta, self._graph, prefix_lens, prefix_lens, 0, 0)
+
+    def captured_extend_metadata(self, batch: ForwardBatch, inputs: CapturedExtendInputs) -> None:
+        """A captured extend step's metadata onto `batch` (its N tokens from static buffers, its requests
+        in `inputs`), from device tensors only: recorded with the step (attention/triton_captured.py)."""
+        batch.attn_metadata = CapturedExtendMetadata(inputs, batch.num_tokens, self._swa_locs(batch))
 
     def _swa_locs(self, batch: ForwardBatch) -> torch.Tensor | None:
         if batch.swa_out_cache_loc is None and self.full_to_swa is not None:
@@ -237,6 +244,9 @@ class TritonAttnBackend(AttentionBackend):
         sk = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
         if not kv_stored:
             store_kv(k_buf, v_buf, locs, k, v, **sk)
+        if isinstance(meta, CapturedExtendMetadata):
+            return captured_attention(meta, self.req_to_token, q, k_buf, v_buf, spec,
+                                      self.full_to_swa if in_swa else None, sinks, sk)
         if self.deterministic:
             return self._unified(q, k_buf, v_buf, spec, batch, in_swa, sinks, sk)
         if (k is None or v is None or scales is not None) and not batch.is_decode:

@@ -40,10 +40,10 @@ REQUEST_PROGRAM_WAVES = 1.25
 PROGRAMS = ("block", "chunk", "request")
 
 
-@jit_per_batch("row0", aligned=("stride_qt", "stride_ot"))
+@jit_per_batch("row0", "work_len", aligned=("stride_qt", "stride_ot"))
 def _unified_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr, full_to_swa, slots, sinks,
-    part_acc, part_ml, k_scale, v_scale, qk_scale, softcap, window, row0,
+    part_acc, part_ml, k_scale, v_scale, work, qk_scale, softcap, window, row0, work_len,
     stride_r2t, stride_slots, stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt,
     stride_vh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -51,7 +51,7 @@ def _unified_kernel(
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    ROWWISE: tl.constexpr, KV_FP8: tl.constexpr,
+    ROWWISE: tl.constexpr, KV_FP8: tl.constexpr, SINGLE: tl.constexpr, WORK: tl.constexpr,
 ):
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
@@ -60,20 +60,30 @@ def _unified_kernel(
     `HAS_SLOTS` (decode, sliding layers): request b's keys lo.. are read from `slots[b]`, its window's
     SWA slots, one gather instead of two (`HAS_MAP` is then off). Program b serves request row0 + b.
     `KV_FP8`: e4m3 K/V; K's scale multiplies the logit scale, V's the folded result before `_finish`
-    (here and in `_merge_kernel` alike, so decode and extend stay the same bits)."""
+    (here and in `_merge_kernel` alike, so decode and extend stay the same bits).
+    `SINGLE` (a decode launch): a request with other than one query is not its row (a captured extend
+    step's decode launch spans every request row). `WORK`: program (i, kvh) takes the tile `work[:, i]`
+    (request, first query: `unified_work.extend_tiles`), so the grid does not depend on the batch."""
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale)
-    b = tl.program_id(0) + row0
-    kvh = tl.program_id(1)
     TOKS: tl.constexpr = BLOCK_M // GROUP_P
-    if SPLIT:
+    if WORK:
+        b = tl.load(work + tl.program_id(0))
+        t0 = tl.load(work + work_len + tl.program_id(0))
+    elif SPLIT:
+        b = tl.program_id(0) + row0
         t0 = 0
     else:
+        b = tl.program_id(0) + row0
         t0 = tl.program_id(2) * TOKS
+    kvh = tl.program_id(1)
     q_lo = tl.load(qo_indptr + b).to(tl.int64)
     ext = tl.load(qo_indptr + b + 1).to(tl.int64) - q_lo
     if t0 >= ext:
         return
+    if SINGLE:
+        if ext != 1:
+            return
     r = tl.arange(0, BLOCK_M)
     t = t0 + r // GROUP_P
     g = r % GROUP_P
@@ -105,7 +115,7 @@ def _unified_kernel(
                           hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_t, stride_kt,
                           stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
                           HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
-        part = ((q_lo + t) * H + heads) * NP + s  # [BLOCK_M] int64
+        part = ((b + t) * H + heads) * NP + s  # [BLOCK_M] int64: by request row, as `_merge_kernel` reads
         tl.store(part_acc + part[:, None] * DV + dv[None, :], acc,
                  mask=rmask[:, None] & (dv[None, :] < DV))
         tl.store(part_ml + part * 2, m, mask=rmask)
@@ -125,6 +135,11 @@ def _unified_kernel(
         o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
         tl.store(out + (q_lo + t)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
                  o.to(out.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
+
+
+def extend_tile_queries(group: int) -> int:
+    """Queries an extend tile holds: its `BLOCK_M` rows over the GQA group padded to a power of two."""
+    return BLOCK_M // triton.next_power_of_2(group)
 
 
 def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
@@ -202,6 +217,7 @@ def unified_attention(
     first_row: int = 0,  # extend: requests before it are another launch's (a mixed step's decode rows)
     k_scale: torch.Tensor | None = None,  # [1] float32, device: an FP8 (e4m3) pool's scales (both or neither)
     v_scale: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,  # [2, W] int32: extend tiles (`unified_work.extend_tiles`), the grid's
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
@@ -212,8 +228,11 @@ def unified_attention(
     slots, translated once a step) instead of reading the table and `full_to_swa` per key. An extend
     may start at request `first_row` (the rows before it being another launch's: a mixed step's
     decodes) with every tensor whole, so a split compiles nothing new (sliced pointers would change
-    their alignment, a specialisation). Every launch setting depends on static shapes only, so it can
-    be captured. An FP8 pool reads as `k8 * k_scale`, `v8 * v_scale`. No host sync. Returns `out`."""
+    their alignment, a specialisation). A decode launch (`max_extend_len` 1) takes the requests that
+    have one query, at `qo_indptr[b]`; with `work` an extend launch takes the tiles listed there
+    (`unified_work.extend_tiles`): then the grid depends on no batch, and a captured extend step runs
+    both over every request row of its static inputs. Every launch setting depends on static shapes
+    only, so it can be captured. An FP8 pool reads as `k8 * k_scale`, `v8 * v_scale`. No host sync. Returns `out`."""
     T, H, DK = q.shape
     HKV, DV = k_buf.shape[1], v_buf.shape[2]
     bs = req_pool_indices.numel()
@@ -236,7 +255,7 @@ def unified_attention(
     ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, q)
     decode = max_extend_len == 1
     if decode:
-        assert T == bs and first_row == 0, "a decode batch has one query per request, all of them here"
+        assert first_row == 0 and work is None, "a decode launch spans every request row"
         nc = decode_chunks(max_context, chunk, window)
         programs = programs or decode_programs(bs * HKV, nc, chunk // block_n, num_sms(q.device))
         assert programs in PROGRAMS, programs
@@ -245,15 +264,19 @@ def unified_attention(
     part_acc = part_ml = out  # unused unless split
     if split:
         np_ = nc * (chunk // block_n if programs == "block" else 1)
-        part_acc = torch.empty(T, H, np_, DV, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(T, H, np_, 2, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(bs, H, np_, DV, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(bs, H, np_, 2, dtype=torch.float32, device=q.device)
     if launch is not None:
         block_m, warps, stages = launch
     elif decode:
         block_m, warps, stages = decode_config(group_p, window is not None, programs, warps if fp8 else None)
     else:
         block_m = BLOCK_M
-    grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
+    if work is not None:
+        assert work.dtype == torch.int32 and work.shape[0] == 2 and work.is_contiguous(), work.shape
+        grid = (work.shape[1], HKV, 1)
+    else:
+        grid = (bs - first_row, HKV, np_ if split else triton.cdiv(max_extend_len, block_m // group_p))
     const = dict(GROUP=group, GROUP_P=group_p, DV=DV, BLOCK_M=block_m, CHUNK=chunk,
                  UNIT=block_n if split and programs == "block" else chunk, NP=np_, H=H,
                  HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, KV_FP8=fp8)
@@ -265,20 +288,22 @@ def unified_attention(
     _unified_kernel[grid](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, qo_indptr,
         full_to_swa if full_to_swa is not None else seq_lens, slots if has_slots else seq_lens, sinks_arg,
-        part_acc, part_ml, ks, vs,
+        part_acc, part_ml, ks, vs, work if work is not None else qo_indptr,
         scaling, logit_softcap if logit_softcap else 1.0, window_arg, first_row,
+        work.shape[1] if work is not None else 0,
         req_to_token.stride(0), slots.stride(0) if has_slots else 0, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split,
         HAS_MAP=full_to_swa is not None and not has_slots, HAS_SLOTS=has_slots,
-        HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), **const,
+        HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), SINGLE=decode,
+        WORK=work is not None, **const,
         num_warps=warps, num_stages=stages,
     )
     if split:
         # Per-block partials are many for a few requests: their fold is split over value columns.
         mdv = max(16, bdv // 4) if programs == "block" else bdv
-        _merge_kernel[(bs, HKV, bdv // mdv)](out, part_acc, part_ml, seq_lens, sinks_arg, vs, window_arg,
-                                             out.stride(0), out.stride(1), BLOCK_DV=mdv, **const,
+        _merge_kernel[(bs, HKV, bdv // mdv)](out, part_acc, part_ml, seq_lens, qo_indptr, sinks_arg, vs,
+                                             window_arg, out.stride(0), out.stride(1), BLOCK_DV=mdv, **const,
                                              num_warps=warps)
     return out

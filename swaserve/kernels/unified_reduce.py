@@ -90,7 +90,7 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, 
 
 @triton.jit
 def _merge_kernel(
-    out, part_acc, part_ml, seq_lens, sinks, v_scale, window, stride_ot, stride_oh,
+    out, part_acc, part_ml, seq_lens, qo_indptr, sinks, v_scale, window, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, UNIT: tl.constexpr, NP: tl.constexpr, H: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
@@ -99,8 +99,12 @@ def _merge_kernel(
     an extend program folds them (blocks into their chunk, chunks into the result), on the decode
     tile's rows, in one flat loop (its loads pipelined); program (b, kvh, d) takes BLOCK_DV of the
     value columns (the fold is elementwise in them). `KV_FP8`: the folded result times V's scale, as
-    the extend program does it."""
+    the extend program does it. Request b's one query is token `qo_indptr[b]`; a request with more (a
+    mixed step's prefill, in a captured extend step) or none (padding) is not a decode row: no work."""
     b = tl.program_id(0)
+    q_lo = tl.load(qo_indptr + b).to(tl.int64)
+    if tl.load(qo_indptr + b + 1) - q_lo != 1:
+        return
     kvh = tl.program_id(1)
     r = tl.arange(0, BLOCK_M)
     t = r // GROUP_P
@@ -140,5 +144,5 @@ def _merge_kernel(
     if KV_FP8:
         ACC = ACC * tl.load(v_scale)
     o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
-    tl.store(out + (b + t.to(tl.int64))[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
+    tl.store(out + (q_lo + t)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
              o.to(out.dtype.element_ty), mask=cmask)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from swaserve.memory.swa import SWAKVPool
     from swaserve.model_config import ModelConfig
     from swaserve.runner.decode_graph import DecodeGraphRunner
+    from swaserve.runner.extend_graph import ExtendGraphRunner
     from swaserve.runner.forward_batch import ForwardBatch
     from swaserve.runner.piecewise_graph import PiecewiseGraphRunner
     from swaserve.runner.verify_graph import VerifyGraphRunner
@@ -89,7 +90,7 @@ class ModelRunner:
         )
         self.graph_runner: DecodeGraphRunner | None = None
         self.verify_graphs: VerifyGraphRunner | None = None  # speculative verify steps (CUDA)
-        self.piecewise: PiecewiseGraphRunner | None = None  # prefill chunks and mixed steps (CUDA)
+        self.piecewise: PiecewiseGraphRunner | ExtendGraphRunner | None = None  # extend steps (CUDA)
         # Row r: the last token sampled for the request in row r of the request table. Decode steps
         # read their input here, so a step can be launched before the host has seen the previous
         # step's tokens. Row 0 (padding) is never written and stays 0.
@@ -127,14 +128,18 @@ class ModelRunner:
 
         self.verify_graphs = VerifyGraphRunner(self, max_bs, q_len)
 
-    def enable_piecewise_graphs(self, max_tokens: int) -> None:
+    def enable_piecewise_graphs(self, max_tokens: int, whole: bool = False) -> None:
         """Capture extend steps (prefill chunks, mixed steps) of up to `max_tokens` tokens as CUDA
-        graphs in pieces between the attention calls (CUDA only)."""
+        graphs in pieces between the attention calls, or (`whole`) one graph a step, attention
+        included (CUDA only; `whole`: a backend that `captures_extend`)."""
+        from swaserve.runner.extend_graph import ExtendGraphRunner
         from swaserve.runner.piecewise_graph import PiecewiseGraphRunner
 
         if self.device.type != "cuda":
             raise ValueError("piecewise CUDA graphs need a CUDA device")
-        self.piecewise = PiecewiseGraphRunner(self, max_tokens)
+        if whole and not self.attn_backend.captures_extend:
+            raise ValueError("whole extend graphs (--extend-graph whole) need the triton attention backend")
+        self.piecewise = (ExtendGraphRunner if whole else PiecewiseGraphRunner)(self, max_tokens)
 
     @torch.inference_mode()
     def warmup(self) -> None:

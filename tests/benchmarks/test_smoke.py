@@ -31,7 +31,8 @@ HELPERS = {"common.py", "grammar_host.py", "load_client.py", "probes.py", "profi
 MORE_RUNS = {
     "decode.py": [["--quantization", "none,fp8", "--shapes", "gemma4-tiny"]],  # online FP8 weights: dense and experts
     "deterministic.py": [["--probes", "--control"]],
-    "moe_kernel.py": [["--model", "gpt-oss-20b"]],  # GPT-OSS's form: MXFP4 and bf16 experts, biases
+    "moe_kernel.py": [["--model", "gpt-oss-20b"]],
+    "piecewise.py": [["--whole", "--chunks", "8", "--mixed", "2+6"]],  # whole extend graphs (interpreted Triton), beside the pieces  # GPT-OSS's form: MXFP4 and bf16 experts, biases
     "structured_outputs.py": [["--host-only"]],  # no model: accept and mask fill per row
     "unified_attention_sweep.py": [["--extend"]],
 }

@@ -5,7 +5,8 @@ sinks, Q/K 192-style vs V widths, the unfused store; GPT-OSS as released: MXFP4 
 24 -> 32 tokens, free slots and slot 0 are poisoned. fp32 and deterministic bf16: same tokens, hidden
 states and live K/V at every step (deterministic: bit for bit); default bf16: the same checks up to the
 first step where a near-tie flips a token between the two GEMM shapes (reported). Bit-identical steps
-are counted and recorded."""
+are counted and recorded. Each runs with the piecewise runner and with whole extend graphs
+(ExtendGraphRunner: one graph a step, attention inside)."""
 
 from __future__ import annotations
 
@@ -22,19 +23,23 @@ from test_piecewise_padding import run_lockstep  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole"])
 @pytest.mark.parametrize("family", ["gemma3", "gemma4_moe", "mimo_v2_flash", "gpt_oss_mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_piecewise_graphs_match_eager(tmp_path, family, dtype):
+def test_piecewise_graphs_match_eager(tmp_path, family, dtype, whole):
+    """`whole`: ExtendGraphRunner (attention inside the graph, the unified kernel) against the eager
+    extend kernel."""
     fp32 = dtype is torch.float32
     stats = run_lockstep(family, tmp_path, "triton", tol=1e-4 if fp32 else 5e-2, device="cuda", dtype=dtype,
-                         same_tokens=fp32)
+                         same_tokens=fp32, whole=whole)
     record({"test": "piecewise_graph_padding", **stats})
     assert len(stats["replayed_token_counts"]) > 0
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole"])
 @pytest.mark.parametrize("family", ["gemma3", "gemma4_moe", "gpt_oss_mxfp4"])
-def test_piecewise_graphs_bit_identical_in_deterministic_mode(tmp_path, family):
+def test_piecewise_graphs_bit_identical_in_deterministic_mode(tmp_path, family, whole):
     stats = run_lockstep(family, tmp_path, "triton", deterministic=True, tol=0.0, device="cuda",
-                         dtype=torch.bfloat16)
+                         dtype=torch.bfloat16, whole=whole)
     record({"test": "piecewise_graph_padding", **stats})
     assert stats["bit_identical_steps"] == stats["steps"], stats

@@ -12,6 +12,7 @@ bit-identical states on every step."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from swaserve.config import CacheConfig, RunnerConfig, SchedulerConfig
 from swaserve.launcher import StepLauncher
 from swaserve.loader.hf_dir import load_model_from_dir
 from swaserve.request import SamplingParams
+from swaserve.runner.extend_graph import ExtendGraphRunner
 from swaserve.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
 from swaserve.runtime import build_runtime
 from swaserve.scheduler.req import Req
@@ -29,9 +31,11 @@ from swaserve.scheduler.req import Req
 BUDGET = 24  # tokens per step: prompts of up to 30 tokens take two chunks
 
 
-def make_runtime(path, backend: str, padded: bool, deterministic: bool, device: str, dtype: torch.dtype):
-    """`padded`: extend steps through PiecewiseGraphRunner (captured on a GPU, its program run eagerly
-    on the CPU); else the plain eager extend path."""
+def make_runtime(path, backend: str, padded: bool, deterministic: bool, device: str, dtype: torch.dtype,
+                 whole: bool = False):
+    """`padded`: extend steps through PiecewiseGraphRunner (`whole`: ExtendGraphRunner, one graph a step
+    with attention inside; captured on a GPU, the program run eagerly on the CPU); else the plain eager
+    extend path."""
     config, model = load_model_from_dir(path, device, dtype)
     cache = CacheConfig(kv_cache_bytes=1 << 20, swa_full_tokens_ratio=0.5, swa_evict_margin=0, swa_evict_chunk=1,
                         disable_prefix_cache=True)
@@ -40,7 +44,8 @@ def make_runtime(path, backend: str, padded: bool, deterministic: bool, device: 
                           enable_deterministic_inference=deterministic)
     rt = build_runtime(config, model, torch.device(device), dtype, cache, sched, runner)
     if padded:  # full steps pad 24 -> 32
-        rt.runner.piecewise = PiecewiseGraphRunner(rt.runner, BUDGET + 16, capture=device == "cuda")
+        cls = ExtendGraphRunner if whole else PiecewiseGraphRunner
+        rt.runner.piecewise = cls(rt.runner, BUDGET + 16, capture=device == "cuda")
     poison_pools(rt)  # everything free (after any capture), slot 0 included
     return rt
 
@@ -54,7 +59,7 @@ FEW_WAVES = [(0, 2, 5), (2, 1, 4), (4, 1, 6)]
 
 def run_lockstep(family: str, path, backend: str, deterministic: bool = False, tol: float = 1e-4,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, same_tokens: bool = True,
-                 waves: list[tuple[int, int, int]] = WAVES) -> dict:
+                 waves: list[tuple[int, int, int]] = WAVES, whole: bool = False) -> dict:
     """Asserts the rules above (tokens only with `same_tokens`: in bf16 a near-tie may flip between the
     two GEMM shapes, and the run then stops there) and returns counts, with the bit-identical steps."""
     hf = make_hf_model(family, path, seed=3)  # windows of 8-12
@@ -67,7 +72,7 @@ def run_lockstep(family: str, path, backend: str, deterministic: bool = False, t
             reqs.append((step, f"r{len(reqs)}", ids, max_tokens))
     first = reqs[0]
     truth = hf_greedy(hf, first[2], first[3])[1]
-    eager, padded = (make_runtime(path, backend, p, deterministic, device, dtype) for p in (False, True))
+    eager, padded = (make_runtime(path, backend, p, deterministic, device, dtype, whole) for p in (False, True))
     launchers = {id(rt): StepLauncher(rt.runner) for rt in (eager, padded)}
     replays: list[int] = []
     replay = padded.runner.piecewise.replay
@@ -105,7 +110,7 @@ def run_lockstep(family: str, path, backend: str, deterministic: bool = False, t
         torch.testing.assert_close(h_p.float(), h_e.float(), rtol=tol, atol=tol)
         assert_same_live_kv(eager, padded, tol, phase)
         padded.scheduler.check_integrity()
-    stats = {"family": family, "device": device, "dtype": str(dtype), "backend": backend,
+    stats = {"family": family, "device": device, "dtype": str(dtype), "backend": backend, "whole": whole,
              "deterministic": deterministic, "steps": steps, "bit_identical_steps": bit_identical,
              "replayed_token_counts": replays, "mixed_steps": mixed, "diverged_at_step": diverged}
     if diverged is not None:
@@ -142,6 +147,18 @@ def test_padded_pieces_fused_store_match_eager(tmp_path):
     pytest.importorskip("triton")
     counts = run_lockstep("gemma3", tmp_path, "triton", waves=FEW_WAVES)["replayed_token_counts"]
     assert len(set(counts)) >= 3 and any(a > b < c for a, b, c in zip(counts, counts[1:], counts[2:])), counts
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_whole_extend_graph_matches_eager(tmp_path, deterministic):
+    """ExtendGraphRunner (interpreted Triton): attention inside the step, on static request rows and a
+    tile list built from them, padded rows and tokens inert. Deterministic mode: bit for bit, since the
+    eager path runs the same unified kernel; default mode against the eager extend kernel (fp32)."""
+    pytest.importorskip("triton")
+    stats = run_lockstep("gemma3", tmp_path, "triton", deterministic=deterministic, tol=0.0 if deterministic else 1e-4,
+                         waves=FEW_WAVES, whole=True)
+    if deterministic:
+        assert stats["bit_identical_steps"] == stats["steps"], stats
 
 
 def test_padded_pieces_bit_identical_in_deterministic_mode(tmp_path):
@@ -205,3 +222,14 @@ def test_capture_protocol(tmp_path, monkeypatch):
     assert all(len(pw.graphs[n]) == layers + 1 and len(pw.sites[n]) == layers for n in pw.sizes)
     assert events.count("begin") == events.count("end") == len(pw.sizes) * (layers + 1)
     assert all(isinstance(pw.outputs[n][0], torch.Tensor) and pw.outputs[n][0].shape[0] == n for n in pw.sizes)
+    if importlib.util.find_spec("triton") is None:
+        return
+    # Whole extend graphs (interpreted Triton): one graph per size, after its warm-ups.
+    events.clear()
+    rt = build_runtime(config, model, torch.device("cpu"), torch.float32, CacheConfig(kv_cache_bytes=1 << 20),
+                       SchedulerConfig(max_prefill_tokens=32, max_context=256, max_running_requests=4),
+                       RunnerConfig(attention_backend="triton"))
+    whole = ExtendGraphRunner(rt.runner, 32)
+    assert sorted(whole.graphs) == piecewise_token_sizes(32)
+    assert events == ["run", "begin", "end"] * len(whole.sizes)
+    assert all(whole.outputs[n][0].shape[0] == n for n in whole.sizes)
