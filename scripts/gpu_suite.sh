@@ -16,7 +16,7 @@
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), whole / svo_whole (issue 39: whole extend graphs, tests, step times,
-# the Poisson set served pieces vs whole), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
+# the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
 # outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
@@ -184,6 +184,14 @@ PY
                 run "svo_$g" 290 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
                     --num-requests 256 --request-rate "${SVO_RATE:-68}" --modes offline,stream --extend-graph $g \
                     ${SVO_ARGS:-}
+            done ;;
+        offline_whole)  # issue 39: offline output tok/s (256 requests at once) with pieces vs whole extend graphs
+            for shape in 1b 4b; do
+                d=$(model_dir $shape)
+                for g in pieces whole; do
+                    run "offline_${shape}_$g" 150 python3 benchmarks/serving_vs_offline.py --model "$d" \
+                        --load-format dummy --num-requests 256 --modes generate --extend-graph $g
+                done
             done ;;
         svo_poisson_512)  # smaller prefill chunks: shorter mixed steps (ITL) against later first tokens (TTFT)
             d=$(model_dir 1b)
