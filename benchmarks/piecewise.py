@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = random_model(a.shape, dev, dtype)
     engine = Engine(loaded, device=dev, dtype=dtype, max_running_requests=320, max_prefill_tokens=4096,
                     max_context=8192, disable_cuda_graph=True, kv_cache_bytes=a.kv_mb << 20,
-                    swa_full_tokens_ratio=1.0, enable_piecewise_cuda_graph=dev.type == "cuda",
+                    swa_full_tokens_ratio=1.0, enable_piecewise_cuda_graph=dev.type == "cuda", extend_graph="pieces",
                     enable_deterministic_inference=a.deterministic,
                     attention_backend="triton" if a.whole else None)  # (the whole graphs' backend, also on CPU)
     if dev.type != "cuda":  # no CUDA graphs here: the same padded program in pieces, run eagerly

@@ -124,9 +124,10 @@ class RunnerConfig:
         "attention calls (default: on where decode runs in CUDA graphs); --no-enable-piecewise-cuda-graph runs "
         "them eagerly", aliases=("--disable-piecewise-cuda-graph",))
     extend_graph: str = _opt(
-        "pieces", "how those extend steps are captured: pieces (graphs cut at every attention call, attention run "
-        "eagerly between them) or whole (one graph per step, attention included: the Triton backend's unified "
-        "kernel on a grid fixed by the token count, its work list built on the device)", choices=("pieces", "whole"))
+        "auto", "how those extend steps are captured: whole (one graph per step, attention included: the Triton "
+        "backend's unified kernel on a grid fixed by the token count, its work list built on the device), pieces "
+        "(graphs cut at every attention call, attention run eagerly between them), or auto (whole where the "
+        "attention backend can be captured so, else pieces)", choices=("auto", "whole", "pieces"))
     enable_cpu_graph: bool = _opt(False, "torch.compile the CPU decode step (~1.2x faster steps, ~100 s longer start)")
     overlap_schedule: bool | None = _opt(
         None, "schedule step N+1 while N runs (default: on for CUDA); --no-overlap-schedule waits for each step",

@@ -203,7 +203,8 @@ def start_runner(rt: Runtime, runner_cfg: RunnerConfig, verify: tuple[int, int] 
             runner.enable_verify_graphs(min(verify[0], sched.max_running_requests), verify[1])
     piecewise = runner_cfg.enable_piecewise_cuda_graph
     if piecewise or (piecewise is None and use_graphs and device.type == "cuda"):
-        runner.enable_piecewise_graphs(min(sched.max_prefill_tokens, PIECEWISE_MAX_TOKENS),
-                                       whole=runner_cfg.extend_graph == "whole")
+        mode = runner_cfg.extend_graph
+        whole = mode == "whole" or (mode == "auto" and runner.attn_backend.captures_extend)
+        runner.enable_piecewise_graphs(min(sched.max_prefill_tokens, PIECEWISE_MAX_TOKENS), whole=whole)
     if device.type == "cuda":
         runner.warmup()  # the prefill kernels' JIT compiles, before the first request

@@ -9,13 +9,13 @@ sized for the largest captured batch, so the builders can be recorded into a CUD
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from swaserve.attention.base import AttentionBackend, AttentionSpec
 from swaserve.attention.triton_captured import CapturedExtendInputs, CapturedExtendMetadata, captured_attention
+from swaserve.attention.triton_metadata import KVList, TritonMetadata
 from swaserve.h2d import to_device
 from swaserve.kernels import (
     build_kv_indices,
@@ -34,29 +34,6 @@ if TYPE_CHECKING:
     from swaserve.memory.req_to_token import ReqToTokenPool
     from swaserve.memory.swa import SWAKVPool
     from swaserve.runner.forward_batch import ForwardBatch
-
-
-@dataclass
-class KVList:
-    """One CSR key list per request, oldest key first."""
-
-    indptr: torch.Tensor  # [bs+1] int32, device
-    indices: torch.Tensor  # [capacity] int32, device: pool slots (full or SWA space)
-    start: torch.Tensor  # [bs] int32, device: position of each request's first listed key
-
-
-@dataclass
-class TritonMetadata:
-    full: KVList | None  # full-context lists (decode: 0..seq_len-1; extend: the whole prefix)
-    window: KVList | None  # window lists, in SWA space when SWA layers have their own pool
-    swa_out_cache_loc: torch.Tensor | None  # [num_tokens] int32, device
-    qo_indptr: torch.Tensor | None = None  # [bs+1] int32, device (extend)
-    prefix_lens: torch.Tensor | None = None  # [bs] int32, device (extend)
-    max_extend_len: int = 0
-    # Deterministic mode: the first `num_decode` rows (one token each) run as a decode, their sliding
-    # layers reading `slots` ([num_decode, window] int32, device: each row's window); the rest as an extend.
-    slots: torch.Tensor | None = None
-    num_decode: int = 0
 
 
 class TritonAttnBackend(AttentionBackend):

@@ -26,18 +26,20 @@ import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _finish, dot_flags, interpret_mode, jit_per_batch, num_sms
 from swaserve.kernels.kv_quant import kv_scale_args
+from swaserve.kernels.unified_launch import (
+    BLOCK_M,
+    PROGRAMS,
+    decode_chunks,
+    decode_config,
+    decode_programs,
+    extend_tile_queries,
+    unified_config,
+)
 from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk
 
-__all__ = ["key_chunk", "unified_attention"]
+__all__ = ["BLOCK_M", "PROGRAMS", "decode_chunks", "decode_config", "decode_programs", "extend_tile_queries", "key_chunk",
+           "unified_attention", "unified_config"]
 
-BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
-DECODE_BLOCK_M = 16  # rows of a decode tile at least (one token's query heads, padded: the MMA's minimum)
-MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at most this many partials
-# Decode programs per (request, kv head) from this many per SM: H100, Gemma 3 heads, 1,024-key contexts
-# (results/h100_unified_attention_sweep_request_programs_slots.log): chunk programs win at 128 pairs
-# (1-5%), request programs at 192 and more (3-11%), within 1-4% of the default kernel there.
-REQUEST_PROGRAM_WAVES = 1.25
-PROGRAMS = ("block", "chunk", "request")
 
 
 @jit_per_batch("row0", "work_len", aligned=("stride_qt", "stride_ot"))
@@ -135,63 +137,6 @@ def _unified_kernel(
         o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
         tl.store(out + (q_lo + t)[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
                  o.to(out.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
-
-
-def extend_tile_queries(group: int) -> int:
-    """Queries an extend tile holds: its `BLOCK_M` rows over the GQA group padded to a power of two."""
-    return BLOCK_M // triton.next_power_of_2(group)
-
-
-def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of an extend program by padded head dim and element size: a
-    layer's constants, never the batch's. Wide heads and fp32 take narrower key blocks (shared
-    memory); from d256 a program holds three [64, d] float32 tiles (result, chunk, block), so 8 warps
-    keep them in registers (H100, 4 x 2048-token prefill, d256: 305 against 491 us with 4 warps,
-    `unified_attention_sweep.py --extend`)."""
-    if elem_bytes >= 4 and block_d > 128:
-        return 32, 4, 2
-    if block_d > 256:
-        return 32, 8, 2
-    if block_d == 256:
-        return 64, 8, 3
-    return 64, 4, 2
-
-
-def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
-                  fp8_warps: int | None = None) -> tuple[int, int, int]:
-    """(rows, num_warps, num_stages) of a decode program: one token's query heads in the smallest
-    tile the MMA takes; its key block is the extend tile's. A sliding layer's keys sit behind a
-    gather more (its window's slot table, or the table then `full_to_swa`): a third stage in flight
-    helps there, and in a program that streams a request's whole context, not in a full layer's
-    chunk or block program (H100, benchmarks/results/h100_unified_attention_sweep*.log).
-
-    `fp8_warps` (an e4m3 pool): the extend tile's 64 rows and warps. On the older MMA that a 16-row tile
-    gets, a tile loaded as e4m3 bytes is fed as operands 4 wide along K (bf16: 2; `tests/kernels/
-    compile_sm90.py` shows it): another summation order, so an FP8 pool's decode parted from its extend
-    and from a bf16 pool holding the same values by a few outputs (H200, tests/gpu/test_unified_fp8_gpu.py).
-    The 64-row tile (the warpgroup MMA, as the extend) agrees, at twice the deterministic decode step
-    (docs/memory.md, which also has the 16-row variants tried and measured)."""
-    stages = 3 if sliding or programs == "request" else 2
-    if fp8_warps is not None:
-        return BLOCK_M, fp8_warps, stages
-    return max(DECODE_BLOCK_M, group_p), 4, stages
-
-
-def decode_chunks(max_context: int, chunk: int, window: int | None) -> int:
-    """Key chunks a decode query can overlap: all of `max_context`'s, or as many as a window spans."""
-    nc = triton.cdiv(max_context, chunk)
-    return nc if window is None else min(nc, (window - 1) // chunk + 2)
-
-
-def decode_programs(pairs: int, chunks: int, blocks_per_chunk: int, sms: int) -> str:
-    """How a decode step spreads `pairs` (request, kv head) queries over programs, from static
-    shapes only: one program per key block where chunk programs would leave most SMs idle (a few
-    requests; partials stay few), one per request where those alone fill the SMs `REQUEST_PROGRAM_WAVES`
-    times over (no partials, no merge, no programs past a short context's last chunk), else one per
-    chunk. The same bits every way: each block's state from zero, folded in one order."""
-    if pairs * chunks < sms and chunks * blocks_per_chunk <= MAX_BLOCK_PARTIALS:
-        return "block"
-    return "request" if pairs >= REQUEST_PROGRAM_WAVES * sms else "chunk"
 
 
 def unified_attention(

@@ -178,6 +178,25 @@ def test_option_on_cpu(tmp_path):
                       RunnerConfig(enable_piecewise_cuda_graph=True))
 
 
+@pytest.mark.parametrize("backend,mode,whole", [("triton", "auto", True), ("torch_native", "auto", False),
+                                                ("triton", "pieces", False), ("triton", "whole", True)])
+def test_extend_graph_option_picks_the_runner(tmp_path, monkeypatch, backend, mode, whole):
+    """`--extend-graph auto` (the default): whole graphs where the backend can be captured so (Triton),
+    pieces otherwise; `pieces` and `whole` as asked."""
+    from swaserve.runner.model_runner import ModelRunner
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    calls = []
+    monkeypatch.setattr(ModelRunner, "enable_piecewise_graphs", lambda self, n, whole=False: calls.append(whole))
+    make_hf_model("gemma3", tmp_path, seed=0)
+    config, model = load_model_from_dir(tmp_path, "cpu", torch.float32)
+    build_runtime(config, model, torch.device("cpu"), torch.float32, CacheConfig(kv_cache_bytes=1 << 20),
+                  SchedulerConfig(max_prefill_tokens=64, max_context=256),
+                  RunnerConfig(attention_backend=backend, enable_piecewise_cuda_graph=True, extend_graph=mode))
+    assert calls == [whole]
+
+
 def test_capture_protocol(tmp_path, monkeypatch):
     """The capture sequencing, on the CPU with CUDA's graph API stubbed: per size, after its warm-ups,
     L+1 pieces, each begun and ended once in order (a cut at every attention call between them), all
