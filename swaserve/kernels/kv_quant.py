@@ -7,10 +7,13 @@ nothing else runs per element."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from swaserve.kernels.common import interpret_mode
 from swaserve.kernels.fp8_gemm import _round_e4m3
 
 FP8_KV = torch.float8_e4m3fn
@@ -23,6 +26,32 @@ def _to_pool(x, buf, scale, FP8: tl.constexpr, EMULATE: tl.constexpr):
         # div_rn: IEEE division, as the torch quantiser's (`/` is the GPU's approximate one)
         return _round_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0), EMULATE)
     return x.to(buf.dtype.element_ty)
+
+
+def fp8_cvt_asm() -> bool:
+    """Opt-in (SWASERVE_FP8_CVT_ASM=1; compiled for sm_90 on the CPU, not yet run on a GPU): attention
+    kernels convert e4m3 K/V tiles to fp16 as they arrive, by the hardware's pair conversion in inline PTX
+    (`_e4m3_tile`), so the tiles sit in shared memory as 16-bit values and reach the MMA through
+    `ldmatrix`, as bf16 tiles do. Without it Triton stages the e4m3 bytes and converts them in the MMA's
+    operand layout, which for V (whose MMA reduces over tokens, the strided dimension) means one
+    shared-memory load per byte (`ld.shared.b8`, 64 a thread per key block in the default decode
+    kernel at d256) and, for the 16-row tiles, operands 4 wide along K (another summation order than
+    bf16's: `unified_attention.decode_config`). Never in the interpreter (it cannot run PTX)."""
+    return os.environ.get("SWASERVE_FP8_CVT_ASM") == "1" and not interpret_mode()
+
+
+@triton.jit
+def _e4m3_tile(x, dtype: tl.constexpr, ASM: tl.constexpr):
+    """A K or V tile in the compute dtype: e4m3 values are exact in fp16 and bf16. `ASM` (an e4m3 tile,
+    `fp8_cvt_asm`): four values a register through `cvt.rn.f16x2.e4m3x2` twice, as an impure inline
+    op, which Triton neither moves past the tile's staging in shared memory nor merges with others."""
+    if ASM:
+        x = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False,
+            pack=4)
+    return x.to(dtype)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _finish, dot_flags, interpret_mode, jit_per_batch, num_sms
-from swaserve.kernels.kv_quant import kv_scale_args
+from swaserve.kernels.kv_quant import fp8_cvt_asm, kv_scale_args
 from swaserve.kernels.unified_launch import (
     BLOCK_M,
     PROGRAMS,
@@ -54,6 +54,7 @@ def _unified_kernel(
     HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     ROWWISE: tl.constexpr, KV_FP8: tl.constexpr, SINGLE: tl.constexpr, WORK: tl.constexpr,
+    E4M3_ASM: tl.constexpr,
 ):
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
@@ -116,7 +117,7 @@ def _unified_kernel(
         m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, first, first + UNIT - 1, lo,
                           hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap, window, stride_t, stride_kt,
                           stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_WINDOW,
-                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
+                          HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE, E4M3_ASM)
         part = ((b + t) * H + heads) * NP + s  # [BLOCK_M] int64: by request row, as `_merge_kernel` reads
         tl.store(part_acc + part[:, None] * DV + dv[None, :], acc,
                  mask=rmask[:, None] & (dv[None, :] < DV))
@@ -130,7 +131,8 @@ def _unified_kernel(
             m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, c * CHUNK,
                               c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
                               window, stride_t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
-                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE)
+                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE,
+                              E4M3_ASM)
             M, L, ACC = _fold(M, L, ACC, m, l, acc)
         if KV_FP8:
             ACC = ACC * tl.load(v_scale)
@@ -198,6 +200,7 @@ def unified_attention(
     assert chunk % block_n == 0, f"chunk {chunk} is not a multiple of the key block {block_n}"
     upcast, prec = dot_flags(q.dtype)
     ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, q)
+    asm = fp8 and fp8_cvt_asm()  # (opt-in) e4m3 tiles convert before shared memory: the 16-row decode tile
     decode = max_extend_len == 1
     if decode:
         assert first_row == 0 and work is None, "a decode launch spans every request row"
@@ -214,7 +217,8 @@ def unified_attention(
     if launch is not None:
         block_m, warps, stages = launch
     elif decode:
-        block_m, warps, stages = decode_config(group_p, window is not None, programs, warps if fp8 else None)
+        block_m, warps, stages = decode_config(group_p, window is not None, programs,
+                                               warps if fp8 and not asm else None)
     else:
         block_m = BLOCK_M
     if work is not None:
@@ -242,7 +246,7 @@ def unified_attention(
         DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split,
         HAS_MAP=full_to_swa is not None and not has_slots, HAS_SLOTS=has_slots,
         HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), SINGLE=decode,
-        WORK=work is not None, **const,
+        WORK=work is not None, E4M3_ASM=asm, **const,
         num_warps=warps, num_stages=stages,
     )
     if split:

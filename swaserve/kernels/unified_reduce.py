@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _dot_rows, _finish, _scores
+from swaserve.kernels.kv_quant import _e4m3_tile
 
 MIN_CHUNK = 256  # keys per reduction chunk at least
 MAX_CHUNKS = 32  # a full-attention layer's chunks at most (bounds the decode scratch)
@@ -51,7 +52,7 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, 
           dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
           DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_DV: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-          UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr):
+          UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr, E4M3_ASM: tl.constexpr):
     """The tile's softmax state over the aligned key blocks of positions first..last that some row
     sees (keys lo..hi): each block's state from zero, folded in block order. Position p's slot is
     `req_to_token[row, p - pos0]` (a request table, or a decode step's window slot table). One
@@ -72,8 +73,8 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, 
                       mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
         v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
                       mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        s = _scores(_dot_rows(q_t, tl.trans(k_t.to(q_t.dtype)), UPCAST, PREC, ROWWISE), qk_scale, softcap,
-                    HAS_SOFTCAP)
+        s = _scores(_dot_rows(q_t, tl.trans(_e4m3_tile(k_t, q_t.dtype, E4M3_ASM)), UPCAST, PREC, ROWWISE),
+                    qk_scale, softcap, HAS_SOFTCAP)
         vis = rmask[:, None] & kmask[None, :] & (kp[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             vis = vis & (q_pos[:, None] - kp[None, :] < window)
@@ -83,7 +84,7 @@ def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, 
         m = tl.max(s, axis=1)
         p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None]).to(q_t.dtype)
         l = _row_sum(p, UPCAST, PREC, ROWWISE)
-        acc = _dot_rows(p, v_t.to(q_t.dtype), UPCAST, PREC, ROWWISE)
+        acc = _dot_rows(p, _e4m3_tile(v_t, q_t.dtype, E4M3_ASM), UPCAST, PREC, ROWWISE)
         M, L, ACC = _fold(M, L, ACC, m, l, acc)
     return M, L, ACC
 

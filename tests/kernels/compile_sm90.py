@@ -43,6 +43,7 @@ _READ = re.compile(r"\b(ld\.global|cp\.async)")
 _WRITE = re.compile(r"\b(st\.global|atom\.global|red\.global)")
 # global loads narrower than 4 bytes: 1- and 2-byte elements read one at a time (a tile whose rows Triton
 # cannot prove 16-byte aligned), scalar `ld.global.b8/b16` or 1/2-byte asynchronous copies
+_SHARED_BYTE_READ = re.compile(r"\bld\.shared(\.\w+)*\.[bsu]8\b")  # one byte of a staged tile a load
 _NARROW_READ = re.compile(r"\bld\.global(\.\w+)*\.[bsu](8|16)\b|\bcp\.async\.\w+\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[12]|[12])\b")
 
 
@@ -119,6 +120,7 @@ def _check(name: str, module, attr: str, call) -> dict:
             "reads_before_wait": sum(bool(_READ.search(line)) for line in before),
             "writes_before_wait": sum(bool(_WRITE.search(line)) for line in before),
             "narrow_reads": sum(bool(_NARROW_READ.search(line)) for line in lines),
+            "shared_byte_reads": sum(bool(_SHARED_BYTE_READ.search(line)) for line in lines),
             # the MMA operands' k-widths (elements a thread holds along K: 2 for 16-bit operands; an 8-bit
             # tile converted after its shared-memory load shows 4) and whether the warpgroup MMA ran
             "dot_kwidths": sorted({int(k) for k in re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"])}),
@@ -202,6 +204,48 @@ def _fp8_kv_cases() -> list[tuple]:
     ]
 
 
+def _with_env(name: str, value: str, call):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return call()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _fp8_asm_cases() -> list[tuple]:
+    """The opt-in inline conversion of e4m3 tiles (SWASERVE_FP8_CVT_ASM=1, `kv_quant.fp8_cvt_asm`): the
+    default decode kernel at a Gemma-3-4B head (d256, GQA 2) and the unified kernel's decode programs on
+    their 16-row tile. Staged as fp16, the tiles reach the MMA 2 wide through `ldmatrix`, with no
+    shared-memory byte loads (without it: 64 `ld.shared.b8` a thread per key block)."""
+    f8, bf16, T = torch.float8_e4m3fn, torch.bfloat16, 4
+    q, out = torch.zeros(T, 8, 256, dtype=bf16), torch.zeros(T, 8, 256, dtype=bf16)
+    kv = torch.zeros(64, 4, 256, dtype=f8)
+    sc = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
+    ip, ix = torch.zeros(T + 1, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    table, rows, seq = torch.zeros(8, 1024, dtype=torch.int32), torch.zeros(T, dtype=torch.int32), torch.ones(T, dtype=torch.int32)
+
+    def asm(call):
+        return lambda: _with_env("SWASERVE_FP8_CVT_ASM", "1", call)
+
+    return [
+        *[(f"decode_stage1[fp8 kv asm, {'direct' if splits == 1 else 'split'}]", decode_attention, "_decode_stage1",
+           asm(lambda splits=splits: decode_attention.decode_attention(q, kv, kv, ip, ix, out, 0.06,
+                                                                       num_kv_splits=splits, **sc)))
+          for splits in (1, 4)],
+        *[(f"unified[fp8 kv asm, decode {programs}]", unified_attention, "_unified_kernel",
+           asm(lambda programs=programs: unified_attention.unified_attention(
+               q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=1, programs=programs, **sc)))
+          for programs in ("block", "chunk", "request")],
+        ("unified[fp8 kv asm, extend]", unified_attention, "_unified_kernel",
+         asm(lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=T,
+                                                         window=1024, **sc))),
+    ]
+
+
 def _fp8_gemm_cases() -> list[tuple]:
     """Block-FP8 GEMMs at a MiMo-V2 projection's K (4096): W8A8 at prefill rows (the activation
     quantiser, then fp8 MMAs) and weight-only at decode rows. No PDL form: checked for shared memory
@@ -268,7 +312,7 @@ def main() -> None:
         ("decode_stage2", decode_attention, "_decode_stage2",
          lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=4)),
     ]
-    cases += _attention_cases() + _fp8_kv_cases() + _fp8_gemm_cases()
+    cases += _attention_cases() + _fp8_kv_cases() + _fp8_asm_cases() + _fp8_gemm_cases()
     for dtype in (bf16, f32):
         tag = "bf16" if dtype == bf16 else "fp32"
         xs = torch.zeros(T, inter, dtype=dtype)

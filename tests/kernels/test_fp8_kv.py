@@ -16,7 +16,9 @@ from kernel_ref import attend_ref, make_pools, tolerances, window_mask  # noqa: 
 
 from swaserve.kernels.decode_attention import decode_attention  # noqa: E402
 from swaserve.kernels.extend_attention import extend_attention  # noqa: E402
+from swaserve.kernels.common import interpret_mode  # noqa: E402
 from swaserve.kernels.index_builders import build_kv_indices, kv_indices_capacity  # noqa: E402
+from swaserve.kernels.kv_quant import fp8_cvt_asm  # noqa: E402
 from swaserve.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from swaserve.kernels.store_kv import store_kv  # noqa: E402
 from swaserve.kernels.unified_attention import unified_attention  # noqa: E402
@@ -225,3 +227,13 @@ def test_unified_attention_fp8_matches_reference_and_decode_matches_extend(windo
                           torch.tensor([0, 1], dtype=torch.int32, device=device), 0.125, max_extend_len=1,
                           programs="block", **kw)
         assert torch.equal(dec[0], out[row]), f"request {b}: decode and extend bits differ, seed={seed}"
+
+
+def test_inline_e4m3_conversion_is_compiled_code_only(monkeypatch):
+    """SWASERVE_FP8_CVT_ASM=1 (opt-in, inline PTX) never reaches the interpreter, which cannot run PTX: there
+    the tiles convert as before, so these tests check the kernels' math and `test_compile_sm90.py` the
+    compiled form; natively (SWASERVE_KERNEL_TESTS_ON_GPU=1 with the variable set) they run the PTX."""
+    monkeypatch.setenv("SWASERVE_FP8_CVT_ASM", "1")
+    assert fp8_cvt_asm() == (not interpret_mode())
+    monkeypatch.setenv("SWASERVE_FP8_CVT_ASM", "0")
+    assert not fp8_cvt_asm()
