@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.attention.triton_captured import CapturedExtendInputs
-from swaserve.distributed.state import new_cuda_graph
-from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+from swaserve.runner.cuda_graph import capture_per_size
+from swaserve.runner.graph_buffers import ExtendTokenBuffers
 from swaserve.runner.piecewise_graph import piecewise_token_sizes
 
 if TYPE_CHECKING:
+    from swaserve.runner.forward_batch import ForwardBatch
     from swaserve.runner.graph_target import GraphTarget
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,7 @@ class ExtendGraphRunner:
         self.full_to_swa = self.backend.full_to_swa
         self.sizes = piecewise_token_sizes(max_tokens)
         n, dev = self.sizes[-1], runner.device
-        self.tokens = torch.zeros(3, n, dtype=torch.int64, device=dev)  # [3, N]: input id, position, slot
-        self.live = torch.zeros(n, dtype=torch.bool, device=dev)  # [N], in-graph: slot != 0
-        self.swa_out_cache_loc = (torch.zeros(n, dtype=torch.int32, device=dev)
-                                  if self.full_to_swa is not None else None)
+        self.tokens = ExtendTokenBuffers(n, dev, self.full_to_swa)
         self.requests = CapturedExtendInputs.allocate(self.backend.req_to_token.max_reqs, dev)
         self.capture = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -69,8 +67,7 @@ class ExtendGraphRunner:
         T = batch.num_tokens
         n = next(s for s in self.sizes if s >= T)
         assert batch.input_ids is not None and batch.extend_seq_lens_cpu is not None and self.can_run(batch)
-        self.tokens[:, T:n].zero_()
-        self.tokens[:, :T].copy_(torch.stack([batch.input_ids, batch.positions, batch.out_cache_loc]))
+        self.tokens.populate(batch, n)
         self.requests.write(batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens_cpu)
         if self.capture:
             self.graphs[n].replay()
@@ -81,41 +78,16 @@ class ExtendGraphRunner:
 
     def _run_once(self, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The forward of n static tokens, its metadata built from the static inputs."""
-        swa = None
-        if self.swa_out_cache_loc is not None:
-            assert self.full_to_swa is not None
-            swa = self.swa_out_cache_loc[:n]
-            torch.index_select(self.full_to_swa, 0, self.tokens[2, :n], out=swa)
-        torch.ne(self.tokens[2, :n], 0, out=self.live[:n])
         req = self.requests
-        fb = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=self.tokens[0, :n], positions=self.tokens[1, :n],
-                          req_pool_indices=req.rows, seq_lens=req.seq_lens, out_cache_loc=self.tokens[2, :n],
-                          seq_lens_cpu=[1] * req.rows.numel(), extend_prefix_lens_cpu=None,
-                          extend_seq_lens_cpu=None, swa_out_cache_loc=swa)
+        fb = self.tokens.batch(n, req_pool_indices=req.rows, seq_lens=req.seq_lens,
+                               seq_lens_cpu=[1] * req.rows.numel())
         fb.attn_backend = self.backend
         self.backend.captured_extend_metadata(fb, req)
-        fb.scratch["moe_routed_rows"] = self.live[:n]
         hidden = self.model(fb)
         return hidden, {k: fb.scratch[k] for k in ("aux_hidden",) if k in fb.scratch}
 
     def _capture(self) -> None:
-        """Per size, largest first, two eager warm-ups (every static input is padding: no attention
-        program does any work) and the graph, all in one shared pool."""
-        dev = self.runner.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        pool = torch.cuda.graph_pool_handle()
-        for n in reversed(self.sizes):
-            with torch.inference_mode(), torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._run_once(n)
-                stream.synchronize()
-                graph = new_cuda_graph()
-                graph.capture_begin(pool=pool)
-                try:
-                    self.outputs[n] = self._run_once(n)
-                finally:  # also on an error: leave no stream capturing
-                    graph.capture_end()
-                self.graphs[n] = graph
-        torch.cuda.synchronize(dev)
+        """Per size, largest first, after two warm-ups (every static input is padding: no attention
+        program does any work), all in one shared pool (`capture_per_size`)."""
+        self.graphs, self.outputs = capture_per_size(self.sizes, self._run_once, self.runner.device)
         log.info("captured extend steps as whole CUDA graphs for token counts %s", self.sizes)

@@ -75,6 +75,42 @@ class DecodeInputBuffers:
         return b
 
 
+class ExtendTokenBuffers:
+    """Static per-token inputs of a captured extend step (prefill chunks, mixed steps) of up to N tokens:
+    (input id, position, full-pool slot) as the rows of `tokens`, so one copy brings a live step in;
+    `populate` resets tokens T..N-1 to token 0 at position 0 in slot 0 (DESIGN.md §4). `derive(n)`,
+    recorded in the graph, translates the SWA write locations from the live slots (never memoised) and
+    marks the live tokens (slot != 0: `moe_routed_rows`, so padded tokens reach no expert)."""
+
+    def __init__(self, n: int, device: torch.device | str, full_to_swa: torch.Tensor | None):
+        self.tokens = torch.zeros(3, n, dtype=torch.int64, device=device)  # [3, N] int64
+        self.live = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
+        self.full_to_swa = full_to_swa
+        self.swa = torch.zeros(n, dtype=torch.int32, device=device) if full_to_swa is not None else None
+
+    def populate(self, batch: ForwardBatch, n: int) -> None:
+        T = batch.num_tokens
+        self.tokens[:, T:n].zero_()
+        self.tokens[:, :T].copy_(torch.stack([batch.input_ids, batch.positions, batch.out_cache_loc]))
+
+    def derive(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(SWA write locations `[n]` int32 or None, live mask `[n]` bool) of the static tokens."""
+        swa = None
+        if self.swa is not None:
+            swa = self.swa[:n]
+            torch.index_select(self.full_to_swa, 0, self.tokens[2, :n], out=swa)
+        torch.ne(self.tokens[2, :n], 0, out=self.live[:n])
+        return swa, self.live[:n]
+
+    def batch(self, n: int, **requests) -> ForwardBatch:
+        """An extend batch over the first n static tokens (`derive`d first), with `requests`' fields."""
+        swa, live = self.derive(n)
+        fb = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=self.tokens[0, :n], positions=self.tokens[1, :n],
+                          out_cache_loc=self.tokens[2, :n], swa_out_cache_loc=swa, **requests)
+        fb.scratch["moe_routed_rows"] = live
+        return fb
+
+
 def capture_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 to 64, of 16 to 256, of 32 to 512, then of 64, up to max_bs (always
     included): a padded batch of more than 64 rows wastes under a quarter of them, above 256 under an

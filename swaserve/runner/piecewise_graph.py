@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.distributed.state import new_cuda_graph
-from swaserve.runner.forward_batch import ForwardBatch, ForwardMode
+from swaserve.runner.graph_buffers import ExtendTokenBuffers
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from swaserve.attention.base import AttentionBackend, AttentionSpec
+    from swaserve.runner.forward_batch import ForwardBatch
     from swaserve.runner.graph_target import GraphTarget
 
 log = logging.getLogger(__name__)
@@ -138,14 +139,9 @@ class PiecewiseGraphRunner:
         self.full_to_swa = runner.attn_backend.full_to_swa
         self.sizes = piecewise_token_sizes(max_tokens)
         n, dev = self.sizes[-1], runner.device
-        # Host-given per-token inputs as rows (input id, position, full-pool slot): one copy a step.
-        self.tokens = torch.zeros(3, n, dtype=torch.int64, device=dev)  # [3, N] int64
-        # [N] bool, derived in-graph: live tokens, the ones whose slot is not the reserved slot 0
-        self.live = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.tokens = ExtendTokenBuffers(n, dev, self.full_to_swa)  # one copy a step
         self._row0 = torch.zeros(1, dtype=torch.int64, device=dev)  # request-level placeholders
         self._len1 = torch.ones(1, dtype=torch.int32, device=dev)
-        self.swa_out_cache_loc = (torch.zeros(n, dtype=torch.int32, device=dev)
-                                  if self.full_to_swa is not None else None)  # [N] int32, SWA pool
         self.q_stage, self.k_stage, self.v_stage, self.out_stage = (
             _Stage(n, runner.dtype, dev) for _ in range(4))
         self.cut = _Cut(self.backend, self)
@@ -165,8 +161,7 @@ class PiecewiseGraphRunner:
         T = batch.num_tokens
         n = next(s for s in self.sizes if s >= T)
         assert batch.input_ids is not None and self.can_run(batch), "can_run() must be checked first"
-        self.tokens[:, T:n].zero_()
-        self.tokens[:, :T].copy_(torch.stack([batch.input_ids, batch.positions, batch.out_cache_loc]))
+        self.tokens.populate(batch, n)
         for stage in self.out_stage.buffers.values():
             stage[T:n].zero_()  # padded tokens' attention output: zero, never a gone step's
         batch.attn_backend = self.backend
@@ -200,19 +195,10 @@ class PiecewiseGraphRunner:
         """The batch the pieces read: n tokens from the static buffers, SWA locations translated
         from the live slots (recorded in the first piece). Request-level fields are placeholders:
         only attention reads them, and attention runs on the live batch."""
-        swa = None
-        if self.swa_out_cache_loc is not None:
-            assert self.full_to_swa is not None
-            swa = self.swa_out_cache_loc[:n]
-            torch.index_select(self.full_to_swa, 0, self.tokens[2, :n], out=swa)
-        torch.ne(self.tokens[2, :n], 0, out=self.live[:n])
-        fb = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=self.tokens[0, :n], positions=self.tokens[1, :n],
-                          req_pool_indices=self._row0, seq_lens=self._len1, out_cache_loc=self.tokens[2, :n],
-                          seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n],
-                          swa_out_cache_loc=swa)
+        fb = self.tokens.batch(n, req_pool_indices=self._row0, seq_lens=self._len1, seq_lens_cpu=[n],
+                               extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n])
         fb.attn_backend = self.cut  # type: ignore[assignment]
-        fb.attn_metadata = _PieceMetadata(swa)
-        fb.scratch["moe_routed_rows"] = self.live[:n]
+        fb.attn_metadata = _PieceMetadata(fb.swa_out_cache_loc)
         return fb
 
     def _run_once(self, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

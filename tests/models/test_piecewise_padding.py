@@ -244,6 +244,14 @@ def test_capture_protocol(tmp_path, monkeypatch):
     if importlib.util.find_spec("triton") is None:
         return
     # Whole extend graphs (interpreted Triton): one graph per size, after its warm-ups.
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        g.capture_begin(pool="pool")
+        yield
+        g.capture_end()
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(Graph, "pool", lambda self: "pool", raising=False)
     events.clear()
     rt = build_runtime(config, model, torch.device("cpu"), torch.float32, CacheConfig(kv_cache_bytes=1 << 20),
                        SchedulerConfig(max_prefill_tokens=32, max_context=256, max_running_requests=4),
