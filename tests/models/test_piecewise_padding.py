@@ -32,13 +32,13 @@ BUDGET = 24  # tokens per step: prompts of up to 30 tokens take two chunks
 
 
 def make_runtime(path, backend: str, padded: bool, deterministic: bool, device: str, dtype: torch.dtype,
-                 whole: bool = False):
+                 whole: bool = False, kv_cache_dtype: str = "auto"):
     """`padded`: extend steps through PiecewiseGraphRunner (`whole`: ExtendGraphRunner, one graph a step
     with attention inside; captured on a GPU, the program run eagerly on the CPU); else the plain eager
     extend path."""
     config, model = load_model_from_dir(path, device, dtype)
     cache = CacheConfig(kv_cache_bytes=1 << 20, swa_full_tokens_ratio=0.5, swa_evict_margin=0, swa_evict_chunk=1,
-                        disable_prefix_cache=True)
+                        disable_prefix_cache=True, kv_cache_dtype=kv_cache_dtype)
     sched = SchedulerConfig(max_running_requests=16, max_prefill_tokens=BUDGET)
     runner = RunnerConfig(attention_backend=backend, disable_cuda_graph=True,
                           enable_deterministic_inference=deterministic)
@@ -59,7 +59,7 @@ FEW_WAVES = [(0, 2, 5), (2, 1, 4), (4, 1, 6)]
 
 def run_lockstep(family: str, path, backend: str, deterministic: bool = False, tol: float = 1e-4,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, same_tokens: bool = True,
-                 waves: list[tuple[int, int, int]] = WAVES, whole: bool = False) -> dict:
+                 waves: list[tuple[int, int, int]] = WAVES, whole: bool = False, kv_cache_dtype: str = "auto") -> dict:
     """Asserts the rules above (tokens only with `same_tokens`: in bf16 a near-tie may flip between the
     two GEMM shapes, and the run then stops there) and returns counts, with the bit-identical steps."""
     hf = make_hf_model(family, path, seed=3)  # windows of 8-12
@@ -72,7 +72,8 @@ def run_lockstep(family: str, path, backend: str, deterministic: bool = False, t
             reqs.append((step, f"r{len(reqs)}", ids, max_tokens))
     first = reqs[0]
     truth = hf_greedy(hf, first[2], first[3])[1]
-    eager, padded = (make_runtime(path, backend, p, deterministic, device, dtype, whole) for p in (False, True))
+    eager, padded = (make_runtime(path, backend, p, deterministic, device, dtype, whole, kv_cache_dtype)
+                     for p in (False, True))
     launchers = {id(rt): StepLauncher(rt.runner) for rt in (eager, padded)}
     replays: list[int] = []
     replay = padded.runner.piecewise.replay
@@ -124,7 +125,7 @@ def run_lockstep(family: str, path, backend: str, deterministic: bool = False, t
         full = rt.allocator.full if hasattr(rt.allocator, "full") else rt.allocator
         used_swa = rt.allocator.swa_used() if hasattr(rt.allocator, "swa_used") else 0
         assert full.used() == 0 and used_swa == 0, "both pools empty"
-    if dtype is torch.float32:  # (bf16 parts from HF's fp32 run: both runtimes do, identically)
+    if dtype is torch.float32 and kv_cache_dtype == "auto":  # (bf16 and FP8 K/V part from HF's fp32 run)
         assert added[id(padded)]["r0"].output_ids == truth, "HF's greedy tokens for the first prompt"
     return stats
 
@@ -159,6 +160,15 @@ def test_whole_extend_graph_matches_eager(tmp_path, deterministic):
                          waves=FEW_WAVES, whole=True)
     if deterministic:
         assert stats["bit_identical_steps"] == stats["steps"], stats
+
+
+def test_whole_extend_graph_fp8_kv_bit_identical_in_deterministic_mode(tmp_path):
+    """The same over FP8 (e4m3) pools: the captured step's decode and extend launches read e4m3 tiles with
+    the eager unified kernel's bits."""
+    pytest.importorskip("triton")
+    stats = run_lockstep("gemma3", tmp_path, "triton", deterministic=True, tol=0.0, waves=FEW_WAVES, whole=True,
+                         kv_cache_dtype="fp8_e4m3")
+    assert stats["bit_identical_steps"] == stats["steps"], stats
 
 
 def test_padded_pieces_bit_identical_in_deterministic_mode(tmp_path):
