@@ -87,6 +87,6 @@ def captured_attention(meta: CapturedExtendMetadata, req_to_token: ReqToTokenPoo
     unified_attention(q, out, k_buf, v_buf, table, inp.rows, inp.seq_lens, inp.qo_indptr, spec.scaling,
                       max_extend_len=1, programs="chunk", **kw)
     unified_attention(q, out, k_buf, v_buf, table, inp.rows, inp.seq_lens, inp.qo_indptr, spec.scaling,
-                      max_extend_len=max(meta.num_tokens, 2),
+                      max_extend_len=meta.num_tokens,
                       work=meta.tiles(extend_tile_queries(spec.num_heads // spec.num_kv_heads)), **kw)
     return out

@@ -73,12 +73,9 @@ def _unified_kernel(
     if WORK:
         b = tl.load(work + tl.program_id(0))
         t0 = tl.load(work + work_len + tl.program_id(0))
-    elif SPLIT:
-        b = tl.program_id(0) + row0
-        t0 = 0
     else:
         b = tl.program_id(0) + row0
-        t0 = tl.program_id(2) * TOKS
+        t0 = 0 if SPLIT else tl.program_id(2) * TOKS  # (a split program's third index is its key unit)
     kvh = tl.program_id(1)
     q_lo = tl.load(qo_indptr + b).to(tl.int64)
     ext = tl.load(qo_indptr + b + 1).to(tl.int64) - q_lo
@@ -201,9 +198,9 @@ def unified_attention(
     upcast, prec = dot_flags(q.dtype)
     ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, q)
     asm = fp8 and fp8_cvt_asm()  # (opt-in) e4m3 tiles convert before shared memory: the 16-row decode tile
-    decode = max_extend_len == 1
+    decode = max_extend_len == 1 and work is None  # an extend over a tile list may hold one-token tiles
     if decode:
-        assert first_row == 0 and work is None, "a decode launch spans every request row"
+        assert first_row == 0, "a decode launch spans every request row"
         nc = decode_chunks(max_context, chunk, window)
         programs = programs or decode_programs(bs * HKV, nc, chunk // block_n, num_sms(q.device))
         assert programs in PROGRAMS, programs
