@@ -24,7 +24,7 @@
 # tests natively, tests/gpu/test_fp8_gpu.py, benchmarks/fp8_gemm.py), fp8_g4 (Gemma-4-26B-A4B --quantization fp8 vs
 # bf16: probes and decode table, benchmarks/fp8_weights.py) and fp8_kv (the FP8 KV cache: kernel tests
 # natively with tests/gpu/test_unified_fp8_gpu.py, tests/gpu/test_fp8_kv_gpu.py (FP8_KV_TESTS: a -k filter), benchmarks/fp8_kv.py),
-# fp8_asm (the opt-in inline e4m3 conversion: kernel tests natively, decode step off / on) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
+# fp8_asm (the inline e4m3 conversion: kernel tests natively, decode step off / on) and mimo_full (4 GPUs of 141 GB: MiMo-V2-Flash at
 # its released shape in FP8, TP=4: decode table and offline run, then 200 @ 128 served); for issue 36: ep_g4 (2 GPUs: offline output
 # tok/s at 128 running on a random Gemma-4-26B-A4B, TP=1 vs TP=2 vs TP=2 with --enable-expert-parallel, one
 # table; EP_ARGS adds offline_throughput.py options), scaling (the same table over SCALE_LAYOUTS, default
@@ -173,10 +173,10 @@ PY
             d=$(model_dir 1b)
             run svo_poisson 420 python3 benchmarks/serving_vs_offline.py --model "$d" --load-format dummy \
                 --num-requests 256 --request-rate "${SVO_RATE:-68}" --modes offline,stream ${SVO_ARGS:-} ;;
-        fp8_asm)  # issue 37: the opt-in inline e4m3 conversion (SWASERVE_FP8_CVT_ASM=1): the FP8 kernel tests natively
-            # with it (decode == extend == bf16 pool on the unified kernel's 16-row decode tile), then the 4B bs 64
-            # ctx 8k decode step, default and deterministic mode, without and with it
-            SWASERVE_FP8_CVT_ASM=1 SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_asm_kernels 300 python3 -m pytest -q \
+        fp8_asm)  # issue 37: the unified kernel's inline e4m3 conversion (default on sm_89+; SWASERVE_FP8_CVT_ASM=0
+            # turns it off): the FP8 kernel tests natively, then the 4B bs 64 ctx 8k decode step, default and
+            # deterministic mode, off and on
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run fp8_asm_kernels 300 python3 -m pytest -q \
                 -p no:cacheprovider tests/kernels/test_fp8_kv.py tests/gpu/test_unified_fp8_gpu.py tests/gpu/test_fp8_kv_gpu.py
             for w in 0 1; do
                 for det in "" --deterministic; do

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from swaserve.kernels.common import _block_d, _dot, _finish, _online_step, _scores, dot_flags
-from swaserve.kernels.kv_quant import _e4m3_tile, fp8_cvt_asm, kv_scale_args
+from swaserve.kernels.kv_quant import kv_scale_args
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 
@@ -32,7 +32,7 @@ def _decode_stage1(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, E4M3_ASM: tl.constexpr,
+    USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     if KV_FP8:  # e4m3 K: its scale folds into the logits' (`kernels.kv_quant`)
@@ -66,13 +66,13 @@ def _decode_stage1(
         slot = tl.load(kv_indices + start + offs, mask=nmask, other=0).to(tl.int64)
         k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],
                       mask=nmask[:, None] & (dk[None, :] < DK), other=0.0)
-        s = _scores(_dot(q_t, tl.trans(_e4m3_tile(k_t, q_t.dtype, E4M3_ASM)), UPCAST, PREC), qk_scale, softcap,
+        s = _scores(_dot(q_t, tl.trans(k_t.to(q_t.dtype)), UPCAST, PREC), qk_scale, softcap,
                     HAS_SOFTCAP)
         s = tl.where(nmask[None, :], s, float("-inf"))
         p, alpha, m, l = _online_step(s, m, l)
         v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
                       mask=nmask[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(q_t.dtype), _e4m3_tile(v_t, q_t.dtype, E4M3_ASM), UPCAST, PREC)
+        acc = acc * alpha[:, None] + _dot(p.to(q_t.dtype), v_t.to(q_t.dtype), UPCAST, PREC)
     if KV_FP8:  # e4m3 V: every split's output carries its scale, so the combine needs none
         acc = acc * tl.load(v_scale)
 
@@ -263,8 +263,7 @@ def decode_attention(
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_block_d(DK), BLOCK_DV=_block_d(DV),
         NUM_SPLITS=num_kv_splits, MIN_CHUNK=max(block_n, min_split_len),
         DIRECT=direct, FUSED_REDUCE=fused, HAS_SOFTCAP=bool(logit_softcap), HAS_SINKS=sinks is not None,
-        UPCAST=upcast, PREC=prec, KV_FP8=fp8, FP8_AS_F16=fp8 and q.dtype == torch.bfloat16,
-        E4M3_ASM=fp8 and fp8_cvt_asm(), **kw,
+        UPCAST=upcast, PREC=prec, KV_FP8=fp8, FP8_AS_F16=fp8 and q.dtype == torch.bfloat16, **kw,
     )
     if not direct and not fused:
         _decode_stage2[(bs, H)](

@@ -197,7 +197,7 @@ def unified_attention(
     assert chunk % block_n == 0, f"chunk {chunk} is not a multiple of the key block {block_n}"
     upcast, prec = dot_flags(q.dtype)
     ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, q)
-    asm = fp8 and fp8_cvt_asm()  # (opt-in) e4m3 tiles convert before shared memory: the 16-row decode tile
+    asm = fp8 and fp8_cvt_asm(q.device)  # e4m3 tiles convert before shared memory: the 16-row decode tile
     decode = max_extend_len == 1 and work is None  # an extend over a tile list may hold one-token tiles
     if decode:
         assert first_row == 0, "a decode launch spans every request row"

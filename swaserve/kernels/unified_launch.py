@@ -49,9 +49,9 @@ def decode_config(group_p: int, sliding: bool, programs: str = "chunk",
     compile_sm90.py` shows it): another summation order, so an FP8 pool's decode parted from its extend
     and from a bf16 pool holding the same values by a few outputs (H200, tests/gpu/test_unified_fp8_gpu.py).
     The 64-row tile (the warpgroup MMA, as the extend) agrees, at twice the deterministic decode step
-    (docs/memory.md, which also has the 16-row variants tried and measured). With `kv_quant.fp8_cvt_asm()`
-    (opt-in, not yet run on a GPU) the tiles are staged as fp16 (operands 2 wide, as bf16's) and the
-    caller keeps the 16-row tile."""
+    (docs/memory.md, which also has the 16-row variants tried and measured). With `kv_quant.fp8_cvt_asm`
+    (the default on sm_89+) the tiles are staged as fp16 (operands 2 wide, as bf16's) and the caller keeps
+    the 16-row tile: decode == extend == a bf16 pool on an H200, at half the 64-row tile's step."""
     stages = 3 if sliding or programs == "request" else 2
     if fp8_warps is not None:
         return BLOCK_M, fp8_warps, stages

@@ -204,45 +204,38 @@ def _fp8_kv_cases() -> list[tuple]:
     ]
 
 
-def _with_env(name: str, value: str, call):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return call()
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
+def _as_on_sm90(call):
+    """`call` with the unified kernel's inline e4m3 conversion on: on an sm_89+ GPU it is (`kv_quant.
+    fp8_cvt_asm`), and these arguments sit on the CPU, where it is off."""
+    def run():
+        old = unified_attention.fp8_cvt_asm
+        unified_attention.fp8_cvt_asm = lambda device: True
+        try:
+            return call()
+        finally:
+            unified_attention.fp8_cvt_asm = old
+    return run
 
 
 def _fp8_asm_cases() -> list[tuple]:
-    """The opt-in inline conversion of e4m3 tiles (SWASERVE_FP8_CVT_ASM=1, `kv_quant.fp8_cvt_asm`): the
-    default decode kernel at a Gemma-3-4B head (d256, GQA 2) and the unified kernel's decode programs on
-    their 16-row tile. Staged as fp16, the tiles reach the MMA 2 wide through `ldmatrix`, with no
-    shared-memory byte loads (without it: 64 `ld.shared.b8` a thread per key block)."""
+    """The unified kernel's inline conversion of e4m3 tiles (the default on sm_89+, `kv_quant.fp8_cvt_asm`):
+    its decode programs on their 16-row tile and its extend, at a Gemma-3-4B head (d256, GQA 2). Staged
+    as fp16, the tiles reach the MMA 2 wide through `ldmatrix`, with no shared-memory byte loads (the
+    split-KV decode kernel, which does not take it: 64 `ld.shared.b8` a thread per key block)."""
     f8, bf16, T = torch.float8_e4m3fn, torch.bfloat16, 4
     q, out = torch.zeros(T, 8, 256, dtype=bf16), torch.zeros(T, 8, 256, dtype=bf16)
     kv = torch.zeros(64, 4, 256, dtype=f8)
     sc = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
-    ip, ix = torch.zeros(T + 1, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    ip = torch.zeros(T + 1, dtype=torch.int32)
     table, rows, seq = torch.zeros(8, 1024, dtype=torch.int32), torch.zeros(T, dtype=torch.int32), torch.ones(T, dtype=torch.int32)
-
-    def asm(call):
-        return lambda: _with_env("SWASERVE_FP8_CVT_ASM", "1", call)
-
     return [
-        *[(f"decode_stage1[fp8 kv asm, {'direct' if splits == 1 else 'split'}]", decode_attention, "_decode_stage1",
-           asm(lambda splits=splits: decode_attention.decode_attention(q, kv, kv, ip, ix, out, 0.06,
-                                                                       num_kv_splits=splits, **sc)))
-          for splits in (1, 4)],
         *[(f"unified[fp8 kv asm, decode {programs}]", unified_attention, "_unified_kernel",
-           asm(lambda programs=programs: unified_attention.unified_attention(
+           _as_on_sm90(lambda programs=programs: unified_attention.unified_attention(
                q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=1, programs=programs, **sc)))
           for programs in ("block", "chunk", "request")],
         ("unified[fp8 kv asm, extend]", unified_attention, "_unified_kernel",
-         asm(lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0, max_extend_len=T,
-                                                         window=1024, **sc))),
+         _as_on_sm90(lambda: unified_attention.unified_attention(q, out, kv, kv, table, rows, seq, ip, 1.0,
+                                                                 max_extend_len=T, window=1024, **sc))),
     ]
 
 

@@ -10,8 +10,8 @@ element at a time (row strides that lost their divisibility by 16 did that to th
 of cuBLAS on an H200), the block-FP8 GEMMs included; and deterministic attention feeds its MMAs operands
 2 elements wide along K over e4m3 pools as over bf16 ones (a 16-row decode tile once took the e4m3 V tile
 through a 4-wide operand layout, whose other summation order parted FP8 decode from extend on an H200);
-and with the opt-in inline e4m3 conversion (`kv_quant.fp8_cvt_asm`) no attention kernel reads a staged
-e4m3 tile one byte at a time from shared memory, as the default decode kernel does."""
+and with the inline e4m3 conversion (`kv_quant.fp8_cvt_asm`, the unified kernel's default on sm_89+) it
+reads no staged e4m3 tile one byte at a time from shared memory, as the split-KV decode kernel does."""
 
 from __future__ import annotations
 
@@ -47,14 +47,14 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "decode_stage1[fp8 kv, split]", "decode_stage1[fp8 kv, direct]", "extend[fp8 kv]",
             "unified[fp8 kv, extend]", "unified merge[fp8 kv, decode]", "quant_fp8_groups",
             "unified[fp8 kv, decode request]", "unified[bf16 kv, decode chunk]",
-            "fp8_gemm[w8a8, 2048 rows]", "fp8_gemm[w8a16, 64 rows]", "decode_stage1[fp8 kv asm, split]",
-            "decode_stage1[fp8 kv asm, direct]", "unified[fp8 kv asm, decode chunk]", "unified[fp8 kv asm, extend]"} <= names
-    for r in rows:  # the opt-in inline e4m3 conversion (SWASERVE_FP8_CVT_ASM=1): tiles staged as fp16
+            "fp8_gemm[w8a8, 2048 rows]", "fp8_gemm[w8a16, 64 rows]", "unified[fp8 kv asm, decode chunk]",
+            "unified[fp8 kv asm, extend]"} <= names
+    for r in rows:  # the unified kernel's inline e4m3 conversion (sm_89+): tiles staged as fp16
         if "asm" in r["kernel"]:
             assert r["shared_byte_reads"] == 0 and r["dot_kwidths"] == [2], r
             if "decode" in r["kernel"]:
                 assert not r["wgmma"], r  # the unified decode keeps its 16-row tile (the older MMA, as bf16)
-    by_name = {r["kernel"]: r for r in rows}  # without it the default decode kernel reads V a byte at a time
+    by_name = {r["kernel"]: r for r in rows}  # the split-KV decode kernel (no inline conversion) reads V a byte at a time
     assert by_name["decode_stage1[fp8 kv, split]"]["shared_byte_reads"] > 0, by_name["decode_stage1[fp8 kv, split]"]
     for r in rows:  # deterministic attention: every MMA operand 2 elements wide along K, e4m3 pools as bf16 ones
         if r["kernel"].startswith("unified["):  # (the older MMA or the warpgroup one: the same bits, measured)

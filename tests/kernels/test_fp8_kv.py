@@ -230,10 +230,14 @@ def test_unified_attention_fp8_matches_reference_and_decode_matches_extend(windo
 
 
 def test_inline_e4m3_conversion_is_compiled_code_only(monkeypatch):
-    """SWASERVE_FP8_CVT_ASM=1 (opt-in, inline PTX) never reaches the interpreter, which cannot run PTX: there
-    the tiles convert as before, so these tests check the kernels' math and `test_compile_sm90.py` the
-    compiled form; natively (SWASERVE_KERNEL_TESTS_ON_GPU=1 with the variable set) they run the PTX."""
-    monkeypatch.setenv("SWASERVE_FP8_CVT_ASM", "1")
-    assert fp8_cvt_asm() == (not interpret_mode())
-    monkeypatch.setenv("SWASERVE_FP8_CVT_ASM", "0")
-    assert not fp8_cvt_asm()
+    """The unified kernel's inline e4m3 conversion (PTX) never reaches the interpreter, which cannot run
+    PTX, nor a CPU tensor: there the tiles convert as Triton's own code does, so these tests check the
+    kernels' math and `test_compile_sm90.py` the compiled form; natively (SWASERVE_KERNEL_TESTS_ON_GPU=1 on
+    an sm_89+ GPU) they run the PTX, and SWASERVE_FP8_CVT_ASM=0 turns it off there."""
+    monkeypatch.delenv("SWASERVE_FP8_CVT_ASM", raising=False)
+    assert not fp8_cvt_asm(torch.device("cpu"))
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        assert fp8_cvt_asm(cuda) == (not interpret_mode() and torch.cuda.get_device_capability() >= (8, 9))
+        monkeypatch.setenv("SWASERVE_FP8_CVT_ASM", "0")
+        assert not fp8_cvt_asm(cuda)
