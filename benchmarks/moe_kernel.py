@@ -7,13 +7,16 @@ CUDA graph (CUDA-event timed replays), the bytes it must read (the stored weight
 the routing hits, counted from the ids: MXFP4 codes + scales + bf16 biases, or bf16 weights (+ biases);
 plus x and the output) and the fraction of the measured copy bandwidth; for Gemma 4 also the pair sort and
 the combine alone, so the two GEMMs' share is the rest. JSON lines, then a table. Then the pair sort alone
-(`align_pairs`, the one-program kernel up to 2048 pairs) at decode sizes over 128 and 256 experts.
+(`align_pairs`, the one-program kernel up to 2048 pairs) at decode sizes over 128 and 256 experts, and
+the router's selection from its logits (top k, weights, Gemma 4's per-expert scale): the torch ops the
+routers ran before `kernels.router_topk`, against its one launch.
 
     python benchmarks/moe_kernel.py [--model gpt-oss-20b] [--tokens 1,16,64,256] [--calls 10] [--block-k 128]
     python benchmarks/moe_kernel.py --model gpt-oss-20b --variants bits:64:4:3,float:64:4:3,group:64:8:3
         # MXFP4 dequantisation modes x tiles (mode:block_n:warps:stages), one row each, to pick the default
     python benchmarks/moe_kernel.py --align-only --align-tokens 1,16,64,128,256 --align-experts 128,256
         # the pair sort alone: us per call by tokens (x the model's top-k) and experts
+    python benchmarks/moe_kernel.py --router-only   # the router's selection: torch ops vs route_topk
     python benchmarks/moe_kernel.py --smoke     # a tiny expert shape, Triton's interpreter on the CPU (CI)
 """
 
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--align-tokens", default="1,16,64,128,256", help="the pair sort alone: token counts")
     ap.add_argument("--align-experts", default="128,256", help="the pair sort alone: expert counts")
     ap.add_argument("--align-only", action="store_true", help="time the pair sort alone, not the experts")
+    ap.add_argument("--router-only", action="store_true", help="time the router's selection alone")
     a = parse_args(ap, argv, smoke=dict(tokens="1,5", calls=1, shape="64,8,2,32", variants="group:16:4:2",
                                         align_tokens="1,5", align_experts="8,6"))
     H, E, K, I = (int(x) for x in (a.shape or SHAPES[a.model]).split(","))
@@ -97,9 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {hardware()}; copy bandwidth {bw / 1e12:.2f} TB/s; PDL {'on' if pdl_supported() else 'off'}; "
           f"{a.model} experts: hidden {H}, {E} experts top-{K}, intermediate {I}", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
-    if not a.align_only:
+    if not (a.align_only or a.router_only):
         expert_rows(a, H, E, K, I, dev, bw, g)
-    align_rows(a, K, dev, g)
+    if not a.router_only:
+        align_rows(a, K, dev, g)
+    router_rows(a, E, K, dev, g)
 
 
 def expert_rows(a: argparse.Namespace, H: int, E: int, K: int, I: int, dev: torch.device, bw: float,
@@ -166,6 +172,39 @@ def align_rows(a: argparse.Namespace, K: int, dev: torch.device, g: torch.Genera
     print(f"\n{'experts':>7} {'tokens':>6} {'pairs':>6} {'block_m':>7} {'align us':>9}")
     for r in rows:
         print(f"{r['experts']:>7} {r['tokens']:>6} {r['pairs']:>6} {r['block_m']:>7} {r['us']:>9}")
+
+
+def router_rows(a: argparse.Namespace, E: int, K: int, dev: torch.device, g: torch.Generator) -> None:
+    """The router's selection from its logits, us per call: Gemma 4's torch ops (softmax over all, top k,
+    renormalised, times the per-expert scale; bf16 logits) and GPT-OSS's (top k of float32 logits, softmax
+    over them), each against `route_topk`'s one launch."""
+    from swaserve.kernels.router_topk import route_topk
+
+    def gemma4(z: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(torch.softmax(z, dim=-1, dtype=torch.float32), K, dim=-1)
+        return top / top.sum(dim=-1, keepdim=True) * scale[ids], ids
+
+    def gpt_oss(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(z, K, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+
+    scale = torch.rand(E, generator=g, device=dev).bfloat16() + 0.5
+    rows = []
+    for n in [int(t) for t in a.tokens.split(",")]:
+        zs = [torch.randn(n, E, generator=g, device=dev) for _ in range(a.calls)]
+        zb = [z.bfloat16() for z in zs]
+        r = {"kernel": "router", "experts": E, "top_k": K, "tokens": n,
+             "gemma4_torch_us": round(graph_us(lambda i: gemma4(zb[i], scale), calls=a.calls), 1),  # noqa: B023
+             "gemma4_fused_us": round(graph_us(lambda i: route_topk(zb[i], K, scale), calls=a.calls), 1),  # noqa: B023
+             "gpt_oss_torch_us": round(graph_us(lambda i: gpt_oss(zs[i]), calls=a.calls), 1),  # noqa: B023
+             "gpt_oss_fused_us": round(graph_us(lambda i: route_topk(zs[i], K), calls=a.calls), 1)}  # noqa: B023
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    print(f"\n{'experts':>7} {'top_k':>5} {'tokens':>6} {'Gemma 4 torch us':>17} {'fused':>6} "
+          f"{'GPT-OSS torch us':>17} {'fused':>6}")
+    for r in rows:
+        print(f"{r['experts']:>7} {r['top_k']:>5} {r['tokens']:>6} {r['gemma4_torch_us']:>17} {r['gemma4_fused_us']:>6} "
+              f"{r['gpt_oss_torch_us']:>17} {r['gpt_oss_fused_us']:>6}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""route_topk (an MoE router's top-k and weights in one launch) against torch: `torch.topk` then a softmax
+over the selected logits (GPT-OSS), and Gemma 4's softmax over all experts, top k, renormalised, times
+`per_expert_scale`; ties to the lower expert index; strided and empty inputs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from swaserve.kernels.router_topk import route_topk, route_topk_reference  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# (E, k) of the families' routers: Gemma-4-26B-A4B, GPT-OSS-20B, GPT-OSS-120B, tiny test models, and an
+# expert count that is not a power of two
+SHAPES = [(128, 8), (32, 4), (128, 4), (8, 2), (100, 6), (256, 8), (4, 4)]
+# bf16 loads are broken in Triton 3.9's CPU interpreter (test_act_and_mul.py); natively both dtypes
+DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E,k", SHAPES)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_route_topk_matches_torch(device, seed, E, k, dtype, scaled):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(37, E, generator=g) * 3).to(device, dtype)
+    scale = (torch.rand(E, generator=g) + 0.5).to(device) if scaled else None
+    w, ids = route_topk(logits, k, scale)
+    ref_w, ref_ids = route_topk_reference(logits, k, scale)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == ids.shape == (37, k)
+    # distinct random logits (a tie in bf16 is possible: compare the chosen logits, then the ids elsewhere)
+    torch.testing.assert_close(logits.float().gather(1, ids), logits.float().gather(1, ref_ids.to(device)),
+                               rtol=0, atol=0, msg=lambda m: f"seed={seed}: {m}")
+    distinct = (logits.float().gather(1, ref_ids.to(device)).diff(dim=1) != 0).all(dim=1)
+    assert torch.equal(ids[distinct], ref_ids.to(device)[distinct]), f"seed={seed}"
+    torch.testing.assert_close(w, ref_w.to(device), rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("E,k", [(128, 8), (32, 4)])
+def test_route_topk_is_gemma4_routing(device, seed, E, k):
+    """Gemma 4's router as HF writes it: softmax over every expert, the top k probabilities renormalised
+    to sum to 1, times `per_expert_scale`; the same experts and weights from the selected logits alone."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(19, E, generator=g) * 2).to(device)
+    per_expert_scale = (torch.rand(E, generator=g) + 0.5).to(device)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ref_ids = torch.topk(probs, k, dim=-1)
+    ref_w = top / top.sum(dim=-1, keepdim=True) * per_expert_scale[ref_ids]
+    w, ids = route_topk(logits, k, per_expert_scale)
+    assert torch.equal(ids, ref_ids), f"seed={seed}"
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_route_topk_ties_take_the_lower_expert(device):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, -1.0],
+                           [2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+                           [float("-inf"), 0.0, float("-inf"), 0.0, 5.0, 0.0]], device=device)
+    w, ids = route_topk(logits, 3)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2], [4, 1, 3]]
+    torch.testing.assert_close(w[0], torch.full((3,), 1 / 3, device=device))
+    torch.testing.assert_close(w[1], torch.full((3,), 1 / 3, device=device))
+    assert torch.isfinite(w).all()
+
+
+def test_route_topk_strided_rows_empty_and_bad_k(device):
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(5, 80, generator=g).to(device)
+    logits = wide[:, 8:72]  # [5, 64], row stride 80
+    w, ids = route_topk(logits, 4)
+    ref_w, ref_ids = route_topk_reference(logits, 4)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    w0, ids0 = route_topk(wide[:0, :64], 4)
+    assert w0.shape == ids0.shape == (0, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(logits, 65)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(logits, 0)
