@@ -6,6 +6,7 @@ from per-expert checkpoints).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,14 @@ from swaserve.layers.fp8_linear import Fp8Spec, load_expert_part, load_stacked_p
 
 if TYPE_CHECKING:
     from swaserve.runner.forward_batch import ForwardBatch
+
+
+def fused_router() -> bool:
+    """Opt-in (SWASERVE_FUSED_ROUTER=1; tested in Triton's interpreter and compiled for sm_90, not yet run on
+    a GPU): the routers' top-k selection and weights in one launch (`kernels.router_topk`) instead of six
+    to nine torch launches (~19 us a layer at one token on an H200: 0.6 ms of a Gemma-4-26B-A4B decode
+    step, `benchmarks/results/h200_profile_gemma4_26b_a4b_bs1_2026-11-29.log`)."""
+    return os.environ.get("SWASERVE_FUSED_ROUTER") == "1"
 
 
 class TopKRouter(nn.Module):
@@ -37,7 +46,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = _linear(x.float(), self.weight, self.bias, self.batch_invariant)  # [n, E] float32
-        if logits.is_cuda:  # one launch (`kernels.router_topk`), the same selection and weights
+        if logits.is_cuda and fused_router():  # one launch (`kernels.router_topk`), the same selection and weights
             from swaserve.kernels.router_topk import route_topk
 
             return route_topk(logits, self.top_k)
@@ -75,8 +84,8 @@ class NormRouter(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[n, hidden]` -> routing weights `[n, k]` float32 and expert ids `[n, k]` int64."""
         logits = self.proj(self.norm(h) * self.scale * self.root_size)  # [n, E]
-        if logits.is_cuda:  # one launch: the renormalised top-k probabilities are a softmax over the top-k logits
-            from swaserve.kernels.router_topk import route_topk
+        if logits.is_cuda and fused_router():  # one launch: the renormalised top-k probabilities are a softmax
+            from swaserve.kernels.router_topk import route_topk  # over the top-k logits
 
             return route_topk(logits, self.top_k, self.per_expert_scale)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -30,6 +30,7 @@ decode_attention = importlib.import_module("swaserve.kernels.decode_attention")
 extend_attention = importlib.import_module("swaserve.kernels.extend_attention")
 fp8_gemm = importlib.import_module("swaserve.kernels.fp8_gemm")
 norm = importlib.import_module("swaserve.kernels.norm")
+router_topk = importlib.import_module("swaserve.kernels.router_topk")
 qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
 store_kv = importlib.import_module("swaserve.kernels.store_kv")
@@ -306,6 +307,12 @@ def main() -> None:
          lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=4)),
     ]
     cases += _attention_cases() + _fp8_kv_cases() + _fp8_asm_cases() + _fp8_gemm_cases()
+    cases += [  # the MoE routers' selection: Gemma-4-26B-A4B's (bf16 logits, per-expert scale), GPT-OSS-20B's
+        ("route_topk[bf16, E=128, k=8, scaled]", router_topk, "_route_topk_kernel",
+         lambda: router_topk.route_topk(torch.zeros(T, 128, dtype=bf16), 8, torch.zeros(128, dtype=bf16))),
+        ("route_topk[fp32, E=32, k=4]", router_topk, "_route_topk_kernel",
+         lambda: router_topk.route_topk(torch.zeros(T, 32, dtype=f32), 4)),
+    ]
     for dtype in (bf16, f32):
         tag = "bf16" if dtype == bf16 else "fp32"
         xs = torch.zeros(T, inter, dtype=dtype)
