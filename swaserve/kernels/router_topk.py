@@ -9,8 +9,8 @@ the division, the scale's gather and product: ~19 us a layer at one token on an 
 Gemma-4-26B-A4B decode step); here one program per token reads its E logits once.
 
 The routers take it on CUDA with SWASERVE_FUSED_ROUTER=1 (`layers.moe.fused_router`; opt-in until a GPU
-run confirms it). Ties: among equal logits the lower expert index is taken first (`torch.topk` leaves the order of
-equal values unspecified). Rows never mix, so the result depends on nothing but the row.
+run confirms it). Ties: among equal logits the lower expert index is taken first (`torch.topk` leaves
+the order of equal values unspecified). Rows never mix, so the result depends on nothing but the row.
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ class OutLinear(nn.Linear):
 
     `forward(x, partial_sums=True)` may return float32 split-K partial sums `[S, M, N]` instead of
     `[M, N]`: without bias, where `skinny_gemm.use_skinny(x)` (opt-in, CUDA, decode-sized batches):
-    the weight stream needs more programs than N's tiles give. `add_norm` sums them; nothing else
-    should ask for them. The split count depends on the weight shape and the GPU only.
+    the weight stream needs more programs than N's tiles give. `add_norm` and `kernels.ffn_tail` sum
+    them; nothing else should ask for them. The split count depends on the weight shape and the GPU only.
     """
 
     _splits: int | None = None

@@ -46,7 +46,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = _linear(x.float(), self.weight, self.bias, self.batch_invariant)  # [n, E] float32
-        if logits.is_cuda and fused_router():  # one launch (`kernels.router_topk`), the same selection and weights
+        if logits.is_cuda and fused_router():  # one launch (`kernels.router_topk`): the same experts and weights
             from swaserve.kernels.router_topk import route_topk
 
             return route_topk(logits, self.top_k)
@@ -84,8 +84,9 @@ class NormRouter(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[n, hidden]` -> routing weights `[n, k]` float32 and expert ids `[n, k]` int64."""
         logits = self.proj(self.norm(h) * self.scale * self.root_size)  # [n, E]
-        if logits.is_cuda and fused_router():  # one launch: the renormalised top-k probabilities are a softmax
-            from swaserve.kernels.router_topk import route_topk  # over the top-k logits
+        if logits.is_cuda and fused_router():
+            # one launch: the renormalised top-k probabilities are a softmax over the top-k logits
+            from swaserve.kernels.router_topk import route_topk
 
             return route_topk(logits, self.top_k, self.per_expert_scale)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

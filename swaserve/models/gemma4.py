@@ -7,6 +7,7 @@ text part of Gemma4ForConditionalGeneration checkpoints; vision and audio towers
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -28,6 +29,12 @@ log = logging.getLogger(__name__)
 
 _TEXT_PREFIX = ("model.language_model.", "model.")
 _TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+def fused_tail() -> bool:
+    """Opt-in (SWASERVE_FUSED_TAIL=1; tested in Triton's interpreter, not yet run on a GPU): a layer without
+    PLE ends in one launch (`kernels.ffn_tail`) instead of five on an MoE layer (three on a dense one)."""
+    return os.environ.get("SWASERVE_FUSED_TAIL") == "1"
 
 
 class Gemma4MoE(nn.Module):
@@ -78,16 +85,34 @@ class Gemma4DecoderLayer(nn.Module):
         """Same contract as `DecoderLayer.forward`: `x = input_layernorm(h)` comes in, `(h, next_norm(h))` goes out."""
         attn = self.self_attn(x, batch, partial_sums=True)
         h, x = add_norm(attn, h, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-        ff = self.mlp(x)
-        if self.moe is not None:
+        fused = h.is_cuda and not self.has_ple and fused_tail()
+        ff = self.mlp(x, partial_sums=fused)
+        moe = self.moe(h, batch) if self.moe is not None else None
+        if fused:
+            return self._fused_tail(ff, moe, h, next_norm)
+        if moe is not None:
             # norm_1(mlp) + norm_2(experts), the second added onto the first in one norm call.
-            ff = self.post_feedforward_layernorm_2(self.moe(h, batch), residual=self.post_feedforward_layernorm_1(ff))
+            ff = self.post_feedforward_layernorm_2(moe, residual=self.post_feedforward_layernorm_1(ff))
         h = self.post_feedforward_layernorm(ff, residual=h)
         if self.has_ple:
             gated = self.act(self.per_layer_input_gate(h)) * per_layer_input
             h = self.post_per_layer_input_norm(self.per_layer_projection(gated), residual=h)
         h = h * self.layer_scalar
         return h, next_norm(h)
+
+    def _fused_tail(self, ff: torch.Tensor, moe: torch.Tensor | None, h: torch.Tensor,
+                    next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s end from the feed-forward outputs on, in one launch (`kernels.ffn_tail`): the same bits."""
+        from swaserve.kernels.ffn_tail import ffn_tail
+
+        post = self.post_feedforward_layernorm
+        n1 = self.post_feedforward_layernorm_1 if moe is not None else None
+        n2 = self.post_feedforward_layernorm_2 if moe is not None else None
+        dev = h.device
+        w1 = n1.kernel_weight(dev) if n1 is not None else None
+        w2 = n2.kernel_weight(dev) if n2 is not None else None
+        return ffn_tail(ff, moe, h, w1, w2, post.kernel_weight(dev), self.layer_scalar, next_norm.kernel_weight(dev),
+                        post.eps, unit_offset=post.unit_offset, weight_fp32=post.fp32_weight)
 
 
 class PerLayerInputs(nn.Module):

@@ -31,6 +31,7 @@ extend_attention = importlib.import_module("swaserve.kernels.extend_attention")
 fp8_gemm = importlib.import_module("swaserve.kernels.fp8_gemm")
 norm = importlib.import_module("swaserve.kernels.norm")
 router_topk = importlib.import_module("swaserve.kernels.router_topk")
+ffn_tail = importlib.import_module("swaserve.kernels.ffn_tail")
 qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
 store_kv = importlib.import_module("swaserve.kernels.store_kv")
@@ -312,6 +313,15 @@ def main() -> None:
          lambda: router_topk.route_topk(torch.zeros(T, 128, dtype=bf16), 8, torch.zeros(128, dtype=bf16))),
         ("route_topk[fp32, E=32, k=4]", router_topk, "_route_topk_kernel",
          lambda: router_topk.route_topk(torch.zeros(T, 32, dtype=f32), 4)),
+    ]
+    g4 = torch.zeros(T, 2816, dtype=bf16)
+    nw = torch.zeros(2816, dtype=f32)
+    cases += [  # a Gemma-4-26B-A4B layer's end: an MoE layer's, and a dense one's from split-K partial sums
+        ("ffn_tail[moe]", ffn_tail, "_ffn_tail_kernel",
+         lambda: ffn_tail.ffn_tail(g4, g4, g4, nw, nw, nw, torch.zeros(1, dtype=bf16), nw, 1e-6, weight_fp32=True)),
+        ("ffn_tail[dense, 4 parts]", ffn_tail, "_ffn_tail_kernel",
+         lambda: ffn_tail.ffn_tail(torch.zeros(4, T, 2816), None, g4, None, None, nw, torch.zeros(1, dtype=bf16), nw,
+                                   1e-6, weight_fp32=True)),
     ]
     for dtype in (bf16, f32):
         tag = "bf16" if dtype == bf16 else "fp32"
