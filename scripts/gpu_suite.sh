@@ -186,11 +186,11 @@ PY
                 done
             done ;;
         router)  # issue 39: the opt-in MoE-layer fusions, SWASERVE_FUSED_ROUTER=1 (the routers' top-k in one launch)
-            # and SWASERVE_FUSED_TAIL=1 (a Gemma 4 layer's end in one launch): kernel tests natively, the routing
+            # (+ Gemma 4's router and expert inputs in one) and SWASERVE_FUSED_TAIL=1 (a Gemma 4 layer's end in one launch): kernel tests natively, the routing
             # alone against the torch ops, Gemma 4 and GPT-OSS parity with HF with both on, then the 26B-A4B and
             # GPT-OSS-20B decode steps: neither, the router, both
             SWASERVE_KERNEL_TESTS_ON_GPU=1 run router_kernels 150 python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_router_topk.py tests/kernels/test_ffn_tail.py
+                tests/kernels/test_router_topk.py tests/kernels/test_ffn_tail.py tests/kernels/test_moe_inputs.py
             run router_alone 120 python3 benchmarks/moe_kernel.py --router-only
             SWASERVE_FUSED_ROUTER=1 SWASERVE_FUSED_TAIL=1 run router_parity 400 python3 -m pytest -q -p no:cacheprovider \
                 -m gpu tests/gpu/test_gemma4_vs_hf.py tests/gpu/test_gpt_oss_vs_hf.py

@@ -24,7 +24,8 @@ def fused_router() -> bool:
     """Opt-in (SWASERVE_FUSED_ROUTER=1; tested in Triton's interpreter and compiled for sm_90, not yet run on
     a GPU): the routers' top-k selection and weights in one launch (`kernels.router_topk`) instead of six
     to nine torch launches (~19 us a layer at one token on an H200: 0.6 ms of a Gemma-4-26B-A4B decode
-    step, `benchmarks/results/h200_profile_gemma4_26b_a4b_bs1_2026-11-29.log`)."""
+    step, `benchmarks/results/h200_profile_gemma4_26b_a4b_bs1_2026-11-29.log`), and Gemma 4's router and
+    expert inputs in one (`kernels.moe_inputs`) instead of four."""
     return os.environ.get("SWASERVE_FUSED_ROUTER") == "1"
 
 
@@ -83,7 +84,11 @@ class NormRouter(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[n, hidden]` -> routing weights `[n, k]` float32 and expert ids `[n, k]` int64."""
-        logits = self.proj(self.norm(h) * self.scale * self.root_size)  # [n, E]
+        return self.route(self.norm(h) * self.scale * self.root_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from the projection on: `x` is `norm(h) * scale * root_size` (`kernels.moe_inputs`)."""
+        logits = self.proj(x)  # [n, E]
         if logits.is_cuda and fused_router():
             # one launch: the renormalised top-k probabilities are a softmax over the top-k logits
             from swaserve.kernels.router_topk import route_topk

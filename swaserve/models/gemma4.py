@@ -17,7 +17,7 @@ from swaserve.layers.activation import get_activation
 from swaserve.layers.attention import SelfAttention
 from swaserve.layers.embedding import VocabEmbedding
 from swaserve.layers.mlp import GatedMLP
-from swaserve.layers.moe import NormRouter, StackedExperts, routed_rows
+from swaserve.layers.moe import NormRouter, StackedExperts, fused_router, routed_rows
 from swaserve.layers.norm import RMSNorm, add_norm
 from swaserve.model_config import FULL
 from swaserve.models.base import CausalLM, keep_aux_hidden
@@ -48,8 +48,21 @@ class Gemma4MoE(nn.Module):
         self.pre_feedforward_layernorm_2 = RMSNorm(hf.hidden_size, **norm)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if h.is_cuda and fused_router():
+            return self._fused_inputs_forward(h, batch)
         weights, ids = self.router(h)
         return self.experts(self.pre_feedforward_layernorm_2(h), weights, ids, routed_rows(batch, h))
+
+    def _fused_inputs_forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` with the router's and the experts' inputs in one launch (`kernels.moe_inputs`)."""
+        from swaserve.kernels.moe_inputs import moe_inputs
+
+        router, norm = self.router, self.pre_feedforward_layernorm_2
+        assert router.norm.eps == norm.eps, (router.norm.eps, norm.eps)
+        router_in, experts_in = moe_inputs(h, router.scale, router.root_size, norm.kernel_weight(h.device), norm.eps,
+                                           unit_offset=norm.unit_offset, weight_fp32=norm.fp32_weight)
+        weights, ids = router.route(router_in)
+        return self.experts(experts_in, weights, ids, routed_rows(batch, h))
 
 
 class Gemma4DecoderLayer(nn.Module):

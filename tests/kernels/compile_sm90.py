@@ -32,6 +32,7 @@ fp8_gemm = importlib.import_module("swaserve.kernels.fp8_gemm")
 norm = importlib.import_module("swaserve.kernels.norm")
 router_topk = importlib.import_module("swaserve.kernels.router_topk")
 ffn_tail = importlib.import_module("swaserve.kernels.ffn_tail")
+moe_inputs = importlib.import_module("swaserve.kernels.moe_inputs")
 qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
 store_kv = importlib.import_module("swaserve.kernels.store_kv")
@@ -322,6 +323,8 @@ def main() -> None:
         ("ffn_tail[dense, 4 parts]", ffn_tail, "_ffn_tail_kernel",
          lambda: ffn_tail.ffn_tail(torch.zeros(4, T, 2816), None, g4, None, None, nw, torch.zeros(1, dtype=bf16), nw,
                                    1e-6, weight_fp32=True)),
+        ("moe_inputs", moe_inputs, "_moe_inputs_kernel",
+         lambda: moe_inputs.moe_inputs(g4, torch.zeros(2816, dtype=bf16), 2816**-0.5, nw, 1e-6, weight_fp32=True)),
     ]
     for dtype in (bf16, f32):
         tag = "bf16" if dtype == bf16 else "fp32"

@@ -49,7 +49,7 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "unified[fp8 kv, decode request]", "unified[bf16 kv, decode chunk]",
             "fp8_gemm[w8a8, 2048 rows]", "fp8_gemm[w8a16, 64 rows]", "unified[fp8 kv asm, decode chunk]",
             "unified[fp8 kv asm, extend]", "route_topk[bf16, E=128, k=8, scaled]", "route_topk[fp32, E=32, k=4]", "ffn_tail[moe]",
-            "ffn_tail[dense, 4 parts]"} <= names
+            "ffn_tail[dense, 4 parts]", "moe_inputs"} <= names
     for r in rows:  # the unified kernel's inline e4m3 conversion (sm_89+): tiles staged as fp16
         if "asm" in r["kernel"]:
             assert r["shared_byte_reads"] == 0 and r["dot_kwidths"] == [2], r
