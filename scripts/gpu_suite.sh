@@ -16,7 +16,7 @@
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), whole / svo_whole (issue 39: whole extend graphs, tests, step times,
-# the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router: the opt-in MoE-layer fusions, tests, parity and decode off / on), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
+# the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router / router_decode: the opt-in MoE-layer fusions, tests and parity / decode off and on), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
 # outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
@@ -185,15 +185,16 @@ PY
                         --decode-shape 4b --bs 64 --ctx 8192 $det
                 done
             done ;;
-        router)  # issue 39: the opt-in MoE-layer fusions, SWASERVE_FUSED_ROUTER=1 (the routers' top-k in one launch)
-            # (+ Gemma 4's router and expert inputs in one) and SWASERVE_FUSED_TAIL=1 (a Gemma 4 layer's end in one launch): kernel tests natively, the routing
-            # alone against the torch ops, Gemma 4 and GPT-OSS parity with HF with both on, then the 26B-A4B and
-            # GPT-OSS-20B decode steps: neither, the router, both
+        router)  # issue 39: the opt-in MoE-layer fusions, SWASERVE_FUSED_ROUTER=1 (the routers' top-k in one launch,
+            # Gemma 4's router and expert inputs in one) and SWASERVE_FUSED_TAIL=1 (a Gemma 4 layer's end in one):
+            # kernel tests natively, the routing alone against the torch ops, Gemma 4 and GPT-OSS parity with HF
+            # with both on; `router_decode` then times the 26B-A4B and GPT-OSS-20B decode steps
             SWASERVE_KERNEL_TESTS_ON_GPU=1 run router_kernels 150 python3 -m pytest -q -p no:cacheprovider \
                 tests/kernels/test_router_topk.py tests/kernels/test_ffn_tail.py tests/kernels/test_moe_inputs.py
             run router_alone 120 python3 benchmarks/moe_kernel.py --router-only
             SWASERVE_FUSED_ROUTER=1 SWASERVE_FUSED_TAIL=1 run router_parity 400 python3 -m pytest -q -p no:cacheprovider \
-                -m gpu tests/gpu/test_gemma4_vs_hf.py tests/gpu/test_gpt_oss_vs_hf.py
+                -m gpu tests/gpu/test_gemma4_vs_hf.py tests/gpu/test_gpt_oss_vs_hf.py ;;
+        router_decode)  # issue 39: decode with the opt-in MoE-layer fusions: neither, the router's, both (`router`)
             for v in 00 10 11; do
                 SWASERVE_FUSED_ROUTER=${v:0:1} SWASERVE_FUSED_TAIL=${v:1:1} run "router_decode_$v" 300 \
                     python3 benchmarks/decode.py --shapes gemma4-26b-a4b,gpt-oss-20b --batch-sizes 1,16,64 \
