@@ -41,7 +41,12 @@ def fp8_cvt_asm(device: torch.device) -> bool:
     there it measured slower (default mode, same shape: 8.28 -> 9.18 ms)."""
     if os.environ.get("SWASERVE_FP8_CVT_ASM") == "0" or interpret_mode() or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    if device not in _CVT_CAPABLE:  # read once per device: this runs at every launch
+        _CVT_CAPABLE[device] = torch.cuda.get_device_capability(device) >= (8, 9)
+    return _CVT_CAPABLE[device]
+
+
+_CVT_CAPABLE: dict[torch.device, bool] = {}
 
 
 @triton.jit
