@@ -33,7 +33,7 @@ def _route_topk_kernel(logits, scale, weights, ids, E, stride_l, stride_w, strid
     top_ids = tl.zeros([K_P], tl.int32)
     for j in tl.static_range(K):  # k rounds of: the largest logit left, the lowest index among equals
         best = tl.max(x, 0)
-        pick = tl.min(tl.where(x == best, e, BLOCK_E), 0)
+        pick = tl.minimum(tl.min(tl.where(x == best, e, BLOCK_E), 0), E - 1)  # (NaN logits: still an expert)
         top = tl.where(slot == j, best, top)
         top_ids = tl.where(slot == j, pick, top_ids)
         x = tl.where(e == pick, float("-inf"), x)

@@ -65,6 +65,14 @@ def test_route_topk_ties_take_the_lower_expert(device):
     assert torch.isfinite(w).all()
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")  # the interpreter's max, via numpy
+def test_route_topk_nan_logits_still_name_experts(device):
+    """A broken row (NaN logits) must not send an out-of-range expert id to the MoE kernels."""
+    logits = torch.tensor([[float("nan")] * 8, [0.0, float("nan"), 1.0, 2.0, -1.0, 0.5, 3.0, 0.1]], device=device)
+    _, ids = route_topk(logits, 3)
+    assert ((ids >= 0) & (ids < 8)).all(), ids
+
+
 def test_route_topk_strided_rows_empty_and_bad_k(device):
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(5, 80, generator=g).to(device)
