@@ -6,7 +6,8 @@ over all experts, the top k probabilities renormalised to sum to 1, times `per_e
 full softmax's denominator cancels in the renormalisation, and the probabilities order the experts as
 the logits do. In torch that is six to nine launches a layer (softmax, `topk`'s two kernels, the sum,
 the division, the scale's gather and product: ~19 us a layer at one token on an H200, 0.6 ms of a
-Gemma-4-26B-A4B decode step); here one program per token reads its E logits once.
+Gemma-4-26B-A4B decode step); here one program per token reads its E logits once. `route_grouped` does
+the same for MiMo-V2's (DeepSeek-V3's) grouped sigmoid selection with its correction bias.
 
 The routers take it on CUDA with SWASERVE_FUSED_ROUTER=1 (`layers.moe.fused_router`; opt-in until a GPU
 run confirms it). Ties: among equal logits the lower expert index is taken first (`torch.topk` leaves
@@ -68,6 +69,80 @@ def route_topk(
             logits.stride(0), weights.stride(0), ids.stride(0),
             K=k, K_P=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(E),
             HAS_SCALE=expert_scale is not None, num_warps=1 if E <= 256 else 4,
+        )
+    return weights, ids
+
+
+@triton.jit
+def _route_grouped_kernel(logits, bias, weights, ids, stride_l, stride_w, stride_i, scale,
+                          E: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, G: tl.constexpr,
+                          TOPK_G: tl.constexpr, NORM: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E)
+    s = tl.sigmoid(tl.load(logits + row * stride_l + e).to(tl.float32))
+    b = s + tl.load(bias + e).to(tl.float32)
+    if G > 1:  # keep the TOPK_G groups whose two best biased scores sum highest
+        bg = tl.reshape(b, [G, E // G])
+        col = tl.arange(0, E // G)
+        m1 = tl.max(bg, 1)
+        p1 = tl.min(tl.where(bg == m1[:, None], col[None, :], E), 1)
+        score = m1 + tl.max(tl.where(col[None, :] == p1[:, None], float("-inf"), bg), 1)  # [G]
+        grp = tl.arange(0, G)
+        keep = grp < 0
+        for _ in tl.static_range(TOPK_G):
+            best = tl.max(score, 0)
+            pick = tl.minimum(tl.min(tl.where(score == best, grp, G), 0), G - 1)
+            keep = keep | (grp == pick)
+            score = tl.where(grp == pick, float("-inf"), score)
+        b = tl.reshape(tl.where(keep[:, None], bg, float("-inf")), [E])
+    slot = tl.arange(0, K_P)
+    w = tl.zeros([K_P], tl.float32)
+    top_ids = tl.zeros([K_P], tl.int32)
+    for j in tl.static_range(K):  # the top k biased scores; the weights are the unbiased ones
+        best = tl.max(b, 0)
+        pick = tl.minimum(tl.min(tl.where(b == best, e, E), 0), E - 1)
+        w = tl.where(slot == j, tl.sum(tl.where(e == pick, s, 0.0), 0), w)
+        top_ids = tl.where(slot == j, pick, top_ids)
+        b = tl.where(e == pick, float("-inf"), b)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    keep_slot = slot < K
+    tl.store(weights + row * stride_w + slot, w * scale, mask=keep_slot)
+    tl.store(ids + row * stride_i + slot, top_ids.to(tl.int64), mask=keep_slot)
+
+
+def grouped_supported(num_experts: int, n_group: int) -> bool:
+    """Whether `route_grouped` takes this router shape (powers of two, groups of 2 or more)."""
+    E = num_experts
+    return (E & (E - 1) == 0 and n_group & (n_group - 1) == 0 and E % n_group == 0 and E // n_group >= 2
+            and E <= MAX_EXPERTS)
+
+
+def route_grouped(
+    logits: torch.Tensor,  # [n, E] float32 router logits
+    bias: torch.Tensor,  # [E] e_score_correction_bias
+    k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiMo-V2's (DeepSeek-V3's) selection in one launch, as `layers.moe.GroupedTopKRouter` computes it:
+    sigmoid scores, the top k of `scores + bias` within the `topk_group` best of `n_group` groups (a
+    group's score: its two best biased scores), weights the unbiased scores (renormalised with
+    `norm_topk_prob`, + 1e-20) times `scale`. E and n_group powers of two."""
+    n, E = logits.shape
+    if not grouped_supported(E, n_group):
+        raise ValueError(f"{E} experts in {n_group} groups: a power of two each, groups of 2 or more")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    if n:
+        _route_grouped_kernel[(n,)](
+            logits, bias, weights, ids, logits.stride(0), weights.stride(0), ids.stride(0), float(scale),
+            E=E, K=k, K_P=triton.next_power_of_2(k), G=n_group, TOPK_G=topk_group, NORM=norm_topk_prob,
+            num_warps=1 if E <= 256 else 4,
         )
     return weights, ids
 

@@ -24,7 +24,8 @@ def fused_router() -> bool:
     """Opt-in (SWASERVE_FUSED_ROUTER=1; tested in Triton's interpreter and compiled for sm_90, not yet run on
     a GPU): the routers' top-k selection and weights in one launch (`kernels.router_topk`) instead of six
     to nine torch launches (~19 us a layer at one token on an H200: 0.6 ms of a Gemma-4-26B-A4B decode
-    step, `benchmarks/results/h200_profile_gemma4_26b_a4b_bs1_2026-11-29.log`), and Gemma 4's router and
+    step, `benchmarks/results/h200_profile_gemma4_26b_a4b_bs1_2026-11-29.log`), MiMo-V2's grouped sigmoid
+    selection in one (`router_topk.route_grouped`) instead of eight to fifteen, and Gemma 4's router and
     expert inputs in one (`kernels.moe_inputs`) instead of four."""
     return os.environ.get("SWASERVE_FUSED_ROUTER") == "1"
 
@@ -227,7 +228,14 @@ class GroupedTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[n, hidden]` -> routing weights `[n, k]` float32 and expert ids `[n, k]` int64."""
-        scores = _linear(x.float(), self.weight.float(), None, self.batch_invariant).sigmoid()  # [n, E]
+        logits = _linear(x.float(), self.weight.float(), None, self.batch_invariant)  # [n, E]
+        if logits.is_cuda and fused_router():
+            from swaserve.kernels.router_topk import grouped_supported, route_grouped
+
+            if grouped_supported(logits.shape[1], self.n_group):  # one launch, the same selection and weights
+                return route_grouped(logits, self.e_score_correction_bias, self.top_k, self.n_group,
+                                     self.topk_group, self.norm_topk_prob, self.scale)
+        scores = logits.sigmoid()
         biased = scores + self.e_score_correction_bias.float()
         n, e = biased.shape
         if self.n_group > 1:

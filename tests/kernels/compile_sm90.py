@@ -314,6 +314,9 @@ def main() -> None:
          lambda: router_topk.route_topk(torch.zeros(T, 128, dtype=bf16), 8, torch.zeros(128, dtype=bf16))),
         ("route_topk[fp32, E=32, k=4]", router_topk, "_route_topk_kernel",
          lambda: router_topk.route_topk(torch.zeros(T, 32, dtype=f32), 4)),
+        *[(f"route_grouped[E={E}, k=8, {G} groups]", router_topk, "_route_grouped_kernel",  # MiMo-V2-Flash's; DeepSeek's
+           lambda E=E, G=G: router_topk.route_grouped(torch.zeros(T, E), torch.zeros(E), 8, G, max(1, G // 2), True, 2.5))
+          for E, G in ((256, 1), (256, 8))],
     ]
     g4 = torch.zeros(T, 2816, dtype=bf16)
     nw = torch.zeros(2816, dtype=f32)

@@ -49,7 +49,8 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "unified[fp8 kv, decode request]", "unified[bf16 kv, decode chunk]",
             "fp8_gemm[w8a8, 2048 rows]", "fp8_gemm[w8a16, 64 rows]", "unified[fp8 kv asm, decode chunk]",
             "unified[fp8 kv asm, extend]", "route_topk[bf16, E=128, k=8, scaled]", "route_topk[fp32, E=32, k=4]", "ffn_tail[moe]",
-            "ffn_tail[dense, 4 parts]", "moe_inputs"} <= names
+            "ffn_tail[dense, 4 parts]", "moe_inputs", "route_grouped[E=256, k=8, 1 groups]",
+            "route_grouped[E=256, k=8, 8 groups]"} <= names
     for r in rows:  # the unified kernel's inline e4m3 conversion (sm_89+): tiles staged as fp16
         if "asm" in r["kernel"]:
             assert r["shared_byte_reads"] == 0 and r["dot_kwidths"] == [2], r
@@ -65,7 +66,7 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
         # 16-byte tiles: row strides keep their divisibility (jit_per_batch); one bf16 value read alone: the
         # router's per-expert scale (a gather), the layer tail's scalar
         assert r["narrow_reads"] == (1 if r["kernel"].endswith("scaled]") or r["kernel"].startswith("ffn_tail") else 0), r
-        if r["kernel"].startswith(("extend", "store_kv", "unified", "quant_fp8", "fp8_gemm", "route_topk")):  # no PDL
+        if r["kernel"].startswith(("extend", "store_kv", "unified", "quant_fp8", "fp8_gemm", "route_")):  # no PDL
             continue
         assert r["pdl_wait"] and r["release_before_wait"] and r["writes_before_wait"] == 0, r
         weight_streaming = r["kernel"].startswith("skinny")

@@ -87,3 +87,35 @@ def test_route_topk_strided_rows_empty_and_bad_k(device):
         route_topk(logits, 65)
     with pytest.raises(ValueError, match="top_k"):
         route_topk(logits, 0)
+
+
+@pytest.mark.parametrize("E,k,n_group,topk_group,norm", [(256, 8, 1, 1, True), (8, 2, 4, 2, True), (64, 6, 8, 3, False),
+                                                         (32, 4, 4, 1, True)])
+def test_route_grouped_matches_mimo_router(device, seed, E, k, n_group, topk_group, norm):
+    """MiMo-V2's router (`GroupedTopKRouter`, its torch form on the CPU) against `route_grouped` on the same
+    logits: the same experts in the same order, the same weights."""
+    from swaserve.kernels.router_topk import route_grouped
+    from swaserve.layers.moe import GroupedTopKRouter
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = 16
+    router = GroupedTopKRouter(hidden, E, k, n_group, topk_group, norm, 2.5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, hidden, generator=g))
+        router.e_score_correction_bias.copy_(0.2 * torch.randn(E, generator=g))
+    x = torch.randn(23, hidden, generator=g)
+    ref_w, ref_ids = router(x)  # CPU: the torch form
+    logits = torch.nn.functional.linear(x, router.weight.detach())  # as the router computes them
+    w, ids = route_grouped(logits.to(device), router.e_score_correction_bias.detach().to(device), k, n_group,
+                           topk_group, norm, 2.5)
+    assert torch.equal(ids.cpu(), ref_ids), f"seed={seed}"
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_route_grouped_refuses_shapes_it_cannot_hold():
+    from swaserve.kernels.router_topk import grouped_supported, route_grouped
+
+    assert grouped_supported(256, 1) and grouped_supported(8, 4)
+    assert not grouped_supported(96, 4) and not grouped_supported(8, 8) and not grouped_supported(12, 3)
+    with pytest.raises(ValueError, match="power of two"):
+        route_grouped(torch.zeros(2, 96), torch.zeros(96), 4, 4, 2, True, 1.0)
