@@ -176,9 +176,10 @@ def align_rows(a: argparse.Namespace, K: int, dev: torch.device, g: torch.Genera
 
 def router_rows(a: argparse.Namespace, E: int, K: int, dev: torch.device, g: torch.Generator) -> None:
     """The router's selection from its logits, us per call: Gemma 4's torch ops (softmax over all, top k,
-    renormalised, times the per-expert scale; bf16 logits) and GPT-OSS's (top k of float32 logits, softmax
-    over them), each against `route_topk`'s one launch."""
-    from swaserve.kernels.router_topk import route_topk
+    renormalised, times the per-expert scale; bf16 logits), GPT-OSS's (top k of float32 logits, softmax
+    over them) and MiMo-V2-Flash's (sigmoid, correction bias, top k, the unbiased scores renormalised;
+    one group), each against its one launch (`route_topk`, `route_grouped`)."""
+    from swaserve.kernels.router_topk import route_grouped, route_topk
 
     def gemma4(z: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top, ids = torch.topk(torch.softmax(z, dim=-1, dtype=torch.float32), K, dim=-1)
@@ -188,7 +189,15 @@ def router_rows(a: argparse.Namespace, E: int, K: int, dev: torch.device, g: tor
         top, ids = torch.topk(z, K, dim=-1)
         return torch.softmax(top, dim=-1), ids
 
+    def mimo(z: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = z.sigmoid()
+        ids = (scores + bias).topk(K, dim=-1).indices
+        w = scores.gather(1, ids)
+        return w / (w.sum(-1, keepdim=True) + 1e-20), ids
+
     scale = torch.rand(E, generator=g, device=dev).bfloat16() + 0.5
+    bias = 0.1 * torch.randn(E, generator=g, device=dev)
+    grouped = E & (E - 1) == 0 and E >= 2
     rows = []
     for n in [int(t) for t in a.tokens.split(",")]:
         zs = [torch.randn(n, E, generator=g, device=dev) for _ in range(a.calls)]
@@ -198,13 +207,18 @@ def router_rows(a: argparse.Namespace, E: int, K: int, dev: torch.device, g: tor
              "gemma4_fused_us": round(graph_us(lambda i: route_topk(zb[i], K, scale), calls=a.calls), 1),  # noqa: B023
              "gpt_oss_torch_us": round(graph_us(lambda i: gpt_oss(zs[i]), calls=a.calls), 1),  # noqa: B023
              "gpt_oss_fused_us": round(graph_us(lambda i: route_topk(zs[i], K), calls=a.calls), 1)}  # noqa: B023
+        if grouped:
+            r["mimo_torch_us"] = round(graph_us(lambda i: mimo(zs[i], bias), calls=a.calls), 1)  # noqa: B023
+            r["mimo_fused_us"] = round(graph_us(lambda i: route_grouped(zs[i], bias, K, 1, 1, True, 1.0),  # noqa: B023
+                                                calls=a.calls), 1)
         rows.append(r)
         print(json.dumps(r), flush=True)
     print(f"\n{'experts':>7} {'top_k':>5} {'tokens':>6} {'Gemma 4 torch us':>17} {'fused':>6} "
-          f"{'GPT-OSS torch us':>17} {'fused':>6}")
+          f"{'GPT-OSS torch us':>17} {'fused':>6} {'MiMo-V2 torch us':>17} {'fused':>6}")
     for r in rows:
         print(f"{r['experts']:>7} {r['top_k']:>5} {r['tokens']:>6} {r['gemma4_torch_us']:>17} {r['gemma4_fused_us']:>6} "
-              f"{r['gpt_oss_torch_us']:>17} {r['gpt_oss_fused_us']:>6}")
+              f"{r['gpt_oss_torch_us']:>17} {r['gpt_oss_fused_us']:>6} {r.get('mimo_torch_us', '-'):>17} "
+              f"{r.get('mimo_fused_us', '-'):>6}")
 
 
 if __name__ == "__main__":
