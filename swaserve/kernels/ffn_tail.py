@@ -19,17 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.kernels.norm import _load_x, _weighted
+from swaserve.kernels.norm import _load_x, _normed
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
-
-
-@triton.jit
-def _normed(x, w_ptr, cols, mask, n_cols, eps, ty: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-            WEIGHT_FP32: tl.constexpr):
-    """`rms_norm` of a float32 row holding `ty` values, rounded to `ty` as `_rms_norm_kernel` stores it."""
-    xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return _weighted(xhat, w, ty, UNIT_OFFSET, WEIGHT_FP32)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.kernels.norm import _weighted
+from swaserve.kernels.norm import _weighted, _xhat
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 
@@ -25,7 +25,7 @@ def _moe_inputs_kernel(h_ptr, scale_ptr, w_ptr, router_out, experts_out, stride_
     mask = cols < n_cols
     ty = router_out.dtype.element_ty
     x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    xhat = _xhat(x, n_cols, eps)
     s = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     r = (xhat.to(ty).to(tl.float32) * s).to(ty)  # norm(h) (weightless: x̂ in the dtype) * scale, rounded
     tl.store(router_out + row * stride_r + cols, (r.to(tl.float32) * root).to(ty), mask=mask)  # * root, rounded

@@ -21,14 +21,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, stride_x, stride_res, strid
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:  # Gemma: (1 + w) * x̂ in float32
-        y = (xhat * (1.0 + w)).to(out_ptr.dtype.element_ty)
-    elif WEIGHT_FP32:  # GPT-OSS: w * x̂ in float32
-        y = (w * xhat).to(out_ptr.dtype.element_ty)
-    else:  # Llama: x̂ cast back first, then w * x̂ in the input dtype
-        y = (w.to(out_ptr.dtype.element_ty) * xhat.to(out_ptr.dtype.element_ty)).to(out_ptr.dtype.element_ty)
+    y = _normed(x, w_ptr, cols, mask, n_cols, eps, out_ptr.dtype.element_ty, UNIT_OFFSET, WEIGHT_FP32)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         y = (r + y).to(out_ptr.dtype.element_ty)
@@ -64,8 +57,15 @@ def rms_norm(
 
 
 @triton.jit
+def _xhat(x, n_cols, eps):
+    """A float32 row normalised by its root mean square (masked columns hold 0)."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+
+
+@triton.jit
 def _weighted(xhat, w, ty: tl.constexpr, UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr):
-    """The three weight forms of `_rms_norm_kernel`, rounded to `ty` (xhat and w in float32)."""
+    """The three weight forms of `RMSNorm`, rounded to `ty` (xhat and w in float32): Gemma's (1 + w) * x̂
+    and the float32-weight w * x̂ in float32; Llama's x̂ cast back first, then w * x̂ in the dtype."""
     if UNIT_OFFSET:
         y = (xhat * (1.0 + w)).to(ty)
     elif WEIGHT_FP32:
@@ -73,6 +73,14 @@ def _weighted(xhat, w, ty: tl.constexpr, UNIT_OFFSET: tl.constexpr, WEIGHT_FP32:
     else:
         y = (w.to(ty) * xhat.to(ty)).to(ty)
     return y
+
+
+@triton.jit
+def _normed(x, w_ptr, cols, mask, n_cols, eps, ty: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+            WEIGHT_FP32: tl.constexpr):
+    """`rms_norm` of a float32 row (weight at `w_ptr`), rounded to `ty` as `_rms_norm_kernel` stores it."""
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return _weighted(_xhat(x, n_cols, eps), w, ty, UNIT_OFFSET, WEIGHT_FP32)
 
 
 @triton.jit
@@ -100,17 +108,13 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, pw_ptr, nw_ptr, h_ptr, y_ptr,
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     x = _load_x(x_ptr, row, stride_x, stride_part, cols, mask, ty, NUM_PARTS)
     if HAS_POST:
-        xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        pw = tl.load(pw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        h = (r + _weighted(xhat, pw, ty, UNIT_OFFSET, WEIGHT_FP32)).to(ty)
+        h = (r + _normed(x, pw_ptr, cols, mask, n_cols, eps, ty, UNIT_OFFSET, WEIGHT_FP32)).to(ty)
     else:
         h = (r + x.to(ty)).to(ty)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
     # The second norm reads h as rounded to the dtype, as if it had been stored and reloaded.
-    hf = h.to(tl.float32)
-    hhat = hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
-    nw = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, _weighted(hhat, nw, ty, UNIT_OFFSET, WEIGHT_FP32), mask=mask)
+    y = _normed(h.to(tl.float32), nw_ptr, cols, mask, n_cols, eps, ty, UNIT_OFFSET, WEIGHT_FP32)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
 
 
 def add_rms_norm(

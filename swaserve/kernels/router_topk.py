@@ -59,10 +59,7 @@ def route_topk(
         raise ValueError(f"top_k {k} must be in 1..{E} (the number of experts)")
     if E > MAX_EXPERTS:
         raise ValueError(f"{E} experts: one program holds at most {MAX_EXPERTS} logits")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    logits, weights, ids = _operands(logits, k)
     if n:
         _route_topk_kernel[(n,)](
             logits, expert_scale if expert_scale is not None else logits, weights, ids, E,
@@ -134,10 +131,7 @@ def route_grouped(
     n, E = logits.shape
     if not grouped_supported(E, n_group):
         raise ValueError(f"{E} experts in {n_group} groups: a power of two each, groups of 2 or more")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    logits, weights, ids = _operands(logits, k)
     if n:
         _route_grouped_kernel[(n,)](
             logits, bias, weights, ids, logits.stride(0), weights.stride(0), ids.stride(0), float(scale),
@@ -145,6 +139,13 @@ def route_grouped(
             num_warps=1 if E <= 256 else 4,
         )
     return weights, ids
+
+
+def _operands(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits with unit column stride, and the outputs: weights `[n, k]` float32, ids `[n, k]` int64."""
+    n, dev = logits.shape[0], logits.device
+    return (logits if logits.stride(1) == 1 else logits.contiguous(),
+            torch.empty(n, k, dtype=torch.float32, device=dev), torch.empty(n, k, dtype=torch.int64, device=dev))
 
 
 def route_topk_reference(logits: torch.Tensor, k: int,
