@@ -190,7 +190,8 @@ PY
             # kernel tests natively, the routing alone against the torch ops, Gemma 4, GPT-OSS and MiMo-V2 parity with HF
             # with both on; `router_decode` then times the 26B-A4B and GPT-OSS-20B decode steps
             SWASERVE_KERNEL_TESTS_ON_GPU=1 run router_kernels 150 python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_router_topk.py tests/kernels/test_ffn_tail.py tests/kernels/test_moe_inputs.py
+                tests/kernels/test_router_topk.py tests/kernels/test_ffn_tail.py tests/kernels/test_moe_inputs.py \
+                tests/kernels/test_fused_norm.py
             run router_alone 120 python3 benchmarks/moe_kernel.py --router-only
             SWASERVE_FUSED_ROUTER=1 SWASERVE_FUSED_TAIL=1 run router_parity 400 python3 -m pytest -q -p no:cacheprovider \
                 -m gpu tests/gpu/test_gemma4_vs_hf.py tests/gpu/test_gpt_oss_vs_hf.py tests/gpu/test_mimo_v2_flash_vs_hf.py ;;
