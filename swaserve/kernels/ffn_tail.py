@@ -9,7 +9,9 @@ In torch and `kernels.norm` that is five launches on an MoE layer (four `rms_nor
 product; three on a dense one), each reading and writing a `[T, hidden]` row: ~10 us a layer at one
 token on an H200, two thirds of it launch and ramp. Here one program per token reads the row once and
 rounds every intermediate to the activation dtype exactly where the separate launches store it, so the
-results are bit for bit theirs. `mlp` may be the down projection's float32 split-K partial sums
+results are bit for bit theirs in bf16 and fp16 (natively on an H200 too). A float32 row may differ by an
+ulp on a GPU: `norm_1(mlp) + norm_2(moe)` adds two unrounded products there, and the compiler may
+contract either into an FMA. `mlp` may be the down projection's float32 split-K partial sums
 (`skinny_gemm`), summed here as `add_rms_norm` does.
 """
 
