@@ -26,7 +26,11 @@ def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:
     layer's constants, never the batch's. Wide heads and fp32 take narrower key blocks (shared
     memory); from d256 a program holds three [64, d] float32 tiles (result, chunk, block), so 8 warps
     keep them in registers (H100, 4 x 2048-token prefill, d256: 305 against 491 us with 4 warps,
-    `unified_attention_sweep.py --extend`)."""
+    `unified_attention_sweep.py --extend`). A float32 d512 program stages one block at a time: with two
+    in flight it needs 264 KiB of shared memory, beyond an H100's or H200's 227 (196608 B with one,
+    `tests/kernels/compile_sm90.py`; Gemma 4's full layers in fp32)."""
+    if elem_bytes >= 4 and block_d > 256:
+        return 32, 4, 1
     if elem_bytes >= 4 and block_d > 128:
         return 32, 4, 2
     if block_d > 256:

@@ -132,8 +132,9 @@ def _check(name: str, module, attr: str, call) -> dict:
 
 
 def _attention_cases() -> list[tuple]:
-    """Decode and extend at Gemma 4's head shapes with their default launch settings: sliding layers
-    d256 with 16 q / 8 kv heads, full layers d512 with 16 q / 2 kv heads (a GQA group of 8). The
+    """Decode and extend (the extend kernel's and the unified kernel's) at Gemma 4's head shapes with
+    their default launch settings: sliding layers d256 with 16 q / 8 kv heads, full layers d512 with 16 q
+    / 2 kv heads (a GQA group of 8). The
     fused combine and stage 2 only differ from the d256 split form by their epilogue: d512 only.
     Extend is not a decode-step kernel (no PDL form): only its shared memory is checked."""
     cases: list[tuple] = []
@@ -160,6 +161,13 @@ def _attention_cases() -> list[tuple]:
                           lambda qe=qe, kve=kve, ip=ip, ix=ix, w=1024 if d == 256 else None:
                           extend_attention.extend_attention(qe, kve[:4], kve[:4], torch.zeros_like(qe), kve, kve, ip,
                                                             ip, ix, ip[:4], 1.0, max_extend_len=4, window=w)))
+            # the unified kernel's extend program (its launch settings: `unified_launch.unified_config`)
+            cases.append((f"unified extend[d{d} g{hq // hkv}, {'bf16' if dtype == torch.bfloat16 else 'fp32'}]",
+                          unified_attention, "_unified_kernel",
+                          lambda qe=qe, kve=kve, w=1024 if d == 256 else None: unified_attention.unified_attention(
+                              qe, torch.zeros_like(qe), kve, kve, torch.zeros(8, 1024, dtype=torch.int32),
+                              torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
+                              torch.zeros(5, dtype=torch.int32), 1.0, max_extend_len=4, window=w)))
     return cases
 
 

@@ -42,7 +42,7 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "skinny_gemm[bf16]", "skinny_gated_gemm[fp32, K=1152]",
             "decode_stage1[d512 g8, direct]", "decode_stage1[d512 g8, split]", "decode_stage2[d512]",
             "decode_stage1[d256 g2, direct]", "extend[d256 g2, bf16]", "extend[d512 g8, bf16]",
-            "extend[d512 g8, fp32]", "qk_norm_rope_store[d512 k_eq_v]", "qk_norm_rope_store[d256 v_norm]",
+            "extend[d512 g8, fp32]", "unified extend[d512 g8, fp32]", "unified extend[d256 g2, bf16]", "qk_norm_rope_store[d512 k_eq_v]", "qk_norm_rope_store[d256 v_norm]",
             "qk_norm_rope_store[q only]", "qk_norm_rope_store[fp8 kv]", "store_kv[fp8 kv]",
             "decode_stage1[fp8 kv, split]", "decode_stage1[fp8 kv, direct]", "extend[fp8 kv]",
             "unified[fp8 kv, extend]", "unified merge[fp8 kv, decode]", "quant_fp8_groups",
