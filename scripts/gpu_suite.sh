@@ -16,7 +16,7 @@
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), whole / svo_whole (issue 39: whole extend graphs, tests, step times,
-# the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router / router_decode: the opt-in MoE-layer fusions, tests and parity / decode off and on; router_diag: Gemma 4's fp32 parity per opt-in), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
+# the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router / router_graphs / router_decode: the MoE-layer fusions, tests and parity / graphs vs eager / decode off and on), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
 # outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
@@ -185,29 +185,29 @@ PY
                         --decode-shape 4b --bs 64 --ctx 8192 $det
                 done
             done ;;
-        router)  # issue 39: the opt-in MoE-layer fusions, SWASERVE_FUSED_ROUTER=1 (the routers' top-k in one launch,
-            # Gemma 4's router and expert inputs in one) and SWASERVE_FUSED_TAIL=1 (a Gemma 4 layer's end in one):
-            # kernel tests natively, the routing alone against the torch ops, Gemma 4, GPT-OSS and MiMo-V2 parity with HF
-            # with both on; `router_decode` then times the 26B-A4B and GPT-OSS-20B decode steps
+        router)  # issue 39: the MoE-layer fusions (defaults; SWASERVE_FUSED_ROUTER=0 / SWASERVE_FUSED_TAIL=0 turn
+            # them off): the routers' top-k in one launch, Gemma 4's router and expert inputs in one, a Gemma 4
+            # layer's end in one. Kernel tests natively, the routing alone against the torch ops, Gemma 4,
+            # GPT-OSS and MiMo-V2 parity with HF (about 70 s a test)
             SWASERVE_KERNEL_TESTS_ON_GPU=1 run router_kernels 150 python3 -m pytest -q -p no:cacheprovider \
                 tests/kernels/test_router_topk.py tests/kernels/test_ffn_tail.py tests/kernels/test_moe_inputs.py \
                 tests/kernels/test_fused_norm.py
             run router_alone 120 python3 benchmarks/moe_kernel.py --router-only
-            SWASERVE_FUSED_ROUTER=1 SWASERVE_FUSED_TAIL=1 run router_parity 400 python3 -m pytest -q -p no:cacheprovider \
+            run router_parity 400 python3 -m pytest -q -p no:cacheprovider \
                 -m gpu tests/gpu/test_gemma4_vs_hf.py tests/gpu/test_gpt_oss_vs_hf.py tests/gpu/test_mimo_v2_flash_vs_hf.py ;;
-        router_diag)  # issue 39: the fixed kernel tests natively, Gemma 4's fp32 parity with one opt-in at a time
-            # (router, tail) and neither, then the 26B-A4B decode step with both
-            SWASERVE_KERNEL_TESTS_ON_GPU=1 run router_kernels 120 python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_router_topk.py tests/kernels/test_ffn_tail.py
-            for v in 10 01 00; do
-                SWASERVE_FUSED_ROUTER=${v:0:1} SWASERVE_FUSED_TAIL=${v:1:1} run "g4_fp32_parity_$v" 110 \
-                    python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_gemma4_vs_hf.py -k fp32
-            done
-            SWASERVE_FUSED_ROUTER=1 SWASERVE_FUSED_TAIL=1 run router_decode_11_g4 170 python3 benchmarks/decode.py \
-                --shapes gemma4-26b-a4b --batch-sizes 1,16,64 --contexts 1024 --steps 32 --warmup 4 ;;
-        router_decode)  # issue 39: decode with the opt-in MoE-layer fusions: neither, the router's, both (`router`)
-            for v in 00 10 11; do
-                SWASERVE_FUSED_ROUTER=${v:0:1} SWASERVE_FUSED_TAIL=${v:1:1} run "router_decode_$v" 300 \
+        router_graphs)  # issue 39: with the fusions on, Gemma 4's parity with HF, the MoE families' graphs
+            # against eager (fp32, whole extend graphs) and bit for bit in deterministic mode, GPT-OSS-20B
+            # decode off / on
+            run router_g4_parity 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gemma4_vs_hf.py
+            run router_lockstep 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_piecewise_gpu.py \
+                -k "(gemma4_moe or gpt_oss) and (deterministic or (fp32 and whole))"
+            for v in 0 1; do
+                SWASERVE_FUSED_ROUTER=$v SWASERVE_FUSED_TAIL=$v run "router_decode_$v" 100 python3 benchmarks/decode.py \
+                    --shapes gpt-oss-20b --batch-sizes 1,16,64 --contexts 1024 --steps 32 --warmup 4
+            done ;;
+        router_decode)  # issue 39: decode with the MoE-layer fusions off, then on (`router`)
+            for v in 0 1; do
+                SWASERVE_FUSED_ROUTER=$v SWASERVE_FUSED_TAIL=$v run "router_decode_$v" 300 \
                     python3 benchmarks/decode.py --shapes gemma4-26b-a4b,gpt-oss-20b --batch-sizes 1,16,64 \
                     --contexts 1024 --steps 32 --warmup 4
             done ;;

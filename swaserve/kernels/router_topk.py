@@ -9,9 +9,9 @@ the division, the scale's gather and product: ~19 us a layer at one token on an 
 Gemma-4-26B-A4B decode step); here one program per token reads its E logits once. `route_grouped` does
 the same for MiMo-V2's (DeepSeek-V3's) grouped sigmoid selection with its correction bias.
 
-The routers take it on CUDA with SWASERVE_FUSED_ROUTER=1 (`layers.moe.fused_router`; opt-in until a GPU
-run confirms it). Ties: among equal logits the lower expert index is taken first (`torch.topk` leaves
-the order of equal values unspecified). Rows never mix, so the result depends on nothing but the row.
+The routers take it on CUDA unless SWASERVE_FUSED_ROUTER=0 (`layers.moe.fused_router`). Ties: among
+equal logits the lower expert index is taken first (`torch.topk` leaves the order of equal values
+unspecified). Rows never mix, so the result depends on nothing but the row.
 """
 
 from __future__ import annotations

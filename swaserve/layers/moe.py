@@ -21,13 +21,14 @@ if TYPE_CHECKING:
 
 
 def fused_router() -> bool:
-    """Opt-in (SWASERVE_FUSED_ROUTER=1; tested in Triton's interpreter and compiled for sm_90, not yet run on
-    a GPU): the routers' top-k selection and weights in one launch (`kernels.router_topk`) instead of six
-    to nine torch launches (~19 us a layer at one token on an H200: 0.6 ms of a Gemma-4-26B-A4B decode
-    step, `benchmarks/results/h200_profile_gemma4_26b_a4b_bs1_2026-11-29.log`), MiMo-V2's grouped sigmoid
-    selection in one (`router_topk.route_grouped`) instead of eight to fifteen, and Gemma 4's router and
-    expert inputs in one (`kernels.moe_inputs`) instead of four."""
-    return os.environ.get("SWASERVE_FUSED_ROUTER") == "1"
+    """On CUDA unless SWASERVE_FUSED_ROUTER=0: the routers' top-k selection and weights in one launch
+    (`kernels.router_topk`) instead of six to nine torch launches, MiMo-V2's grouped sigmoid selection in
+    one (`router_topk.route_grouped`) instead of eight to fifteen, and Gemma 4's router and expert inputs
+    in one (`kernels.moe_inputs`) instead of four. H200: the routing alone 18.6 -> 2.4 us a layer at one
+    token (Gemma 4; GPT-OSS 10.7 -> 2.3, MiMo-V2 18.1 -> 2.7); with `SWASERVE_FUSED_TAIL` a
+    Gemma-4-26B-A4B decode step at 1k context 5.04 -> 4.11 ms at bs 1 (`benchmarks/results/
+    h200_router_fusions_2026-11-29.log`)."""
+    return os.environ.get("SWASERVE_FUSED_ROUTER") != "0"
 
 
 class TopKRouter(nn.Module):
