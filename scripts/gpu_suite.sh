@@ -205,6 +205,14 @@ PY
                 SWASERVE_FUSED_ROUTER=$v SWASERVE_FUSED_TAIL=$v run "router_decode_$v" 100 python3 benchmarks/decode.py \
                     --shapes gpt-oss-20b --batch-sizes 1,16,64 --contexts 1024 --steps 32 --warmup 4
             done ;;
+        router_mimo)  # issue 39: MiMo-V2's grouped router fused: bf16 parity with HF, graphs vs eager in fp32; then
+            # the 26B-A4B and GPT-OSS-20B at bs 256 with the fusions, and where GPT-OSS-20B's bs-1 step goes
+            run router_mimo_parity 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_mimo_v2_flash_vs_hf.py -k bf16
+            run router_mimo_lockstep 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_piecewise_gpu.py \
+                -k "mimo and fp32"
+            run router_decode_256 130 python3 benchmarks/decode.py --shapes gemma4-26b-a4b,gpt-oss-20b --batch-sizes 256 \
+                --contexts 1024 --steps 32 --warmup 4
+            run profile_gpt_oss_bs1 120 python3 scripts/profile_step.py gpt-oss-20b 1 1024 ;;
         router_decode)  # issue 39: decode with the MoE-layer fusions off, then on (`router`)
             for v in 0 1; do
                 SWASERVE_FUSED_ROUTER=$v SWASERVE_FUSED_TAIL=$v run "router_decode_$v" 300 \
