@@ -1,0 +1,76 @@
+"""MXFP4 weights dequantised inside a GEMM's K loop (`kernels.moe_gemm`): FP4 e2m1 codes (two a byte, the
+low nibble the even input) and their 32-input groups' e8m0 scale bytes, to the activations' dtype, exactly
+(each value is a power of two times one of 0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from swaserve.kernels.common import _dot
+
+
+@triton.jit
+def _mx_values(code, scale, ty: tl.constexpr):
+    """MXFP4 values in `ty` (bf16 or fp32), exactly: FP4 e2m1 codes (0..15, int32) times their e8m0 scale
+    bytes 2^(s-127), built as bit patterns without a multiply. A code of exponent e >= 1 and mantissa m is
+    2^(e-1) (1 + m/2), so its scaled value has exponent field e + s - 1 and mantissa bit m; code 1 (0.5)
+    has exponent field s - 1 and no mantissa; code 0 is 0. The sign is the code's bit 3. Values whose
+    exponent field would be < 1 (scales below 2^-125, which no quantiser emits) read as 0."""
+    mag = code & 7
+    exp = (mag >> 1) + scale - 1
+    mant = tl.where(mag >= 2, mag & 1, 0)
+    zero = (mag == 0) | (exp < 1)
+    if ty == tl.bfloat16:
+        bits = tl.where(zero, 0, (exp << 7) | (mant << 6)) | ((code & 8) << 12)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    bits = tl.where(zero, 0, (exp << 23) | (mant << 22)) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True).to(ty)
+
+
+@triton.jit
+def _mx_values_float(code, scale):
+    """The same values through float32 arithmetic (`MX_FLOAT`): e2m1 placed into a float32's exponent
+    and mantissa (codes 0 and 1 apart: no subnormal a flush-to-zero multiply could lose), times the
+    scale 2^(s-127) built as a float32 (s = 0 reads as 0)."""
+    mag = code & 7
+    normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    val = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+    val = tl.where((code & 8) != 0, -val, val)
+    return val * (scale << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, acc, MODE: tl.constexpr, UPCAST: tl.constexpr,
+            PREC: tl.constexpr):
+    """acc + a @ W for one K step of an MXFP4 weight: `w_ptrs` [K/2, N] code bytes (low nibble the even
+    input, high the odd), `s_ptrs` [K/2, N] the scale of each byte's group; `a_even`/`a_odd` [M, K/2] the
+    activations of the even and odd inputs, so no register shuffle interleaves the nibbles. The weights
+    are dequantised to the activations' dtype as bit patterns (MX_BITS) or through float32 (MX_FLOAT)."""
+    q = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
+    ty: tl.constexpr = a_even.dtype
+    if MODE == 1:  # MX_FLOAT
+        w_even = _mx_values_float(q & 15, scale).to(ty)
+        w_odd = _mx_values_float(q >> 4, scale).to(ty)
+    else:
+        w_even = _mx_values(q & 15, scale, ty)
+        w_odd = _mx_values(q >> 4, scale, ty)
+    return acc + _dot(a_even, w_even, UPCAST, PREC) + _dot(a_odd, w_odd, UPCAST, PREC)
+
+
+@triton.jit
+def _mx_group_dot(a_ptrs_even, a_mask, w_ptrs, s_ptrs, w_mask, s_mask, acc, UPCAST: tl.constexpr,
+                  PREC: tl.constexpr):
+    """acc + a @ W for one 32-input group of an MXFP4 weight (`MX_GROUP`): its 16 code bytes per column
+    `w_ptrs` [16, N] dequantised without their scale (exact e2m1 values), two dots, then the group's one
+    scale per column `s_ptrs` [N] applied to the [M, N] partial sum (a power of two: exact)."""
+    q = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
+    a_even = tl.load(a_ptrs_even, mask=a_mask, other=0.0)
+    a_odd = tl.load(a_ptrs_even + 1, mask=a_mask, other=0.0)
+    ty: tl.constexpr = a_even.dtype
+    w_even = _mx_values(q & 15, 127, ty)  # scale 2^0: the code's own value
+    w_odd = _mx_values(q >> 4, 127, ty)
+    part = _dot(a_even, w_even, UPCAST, PREC) + _dot(a_odd, w_odd, UPCAST, PREC)
+    scale = (tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return acc + part * scale[None, :]
