@@ -67,8 +67,10 @@ def with_variants(formats: dict, variants: str | None) -> list[tuple[str, dict]]
     out = list(formats.items())
     modes = {"bits": MX_BITS, "float": MX_FLOAT, "group": MX_GROUP, "scaled": MX_SCALED}
     for v in (variants.split(",") if variants and "mxfp4" in formats else []):
-        mode, bn, warps, stages = v.split(":")
+        mode, bn, warps, stages, *split = v.split(":")
         tuning = {"mx_mode": modes[mode], "num_warps": int(warps)}
+        if split and int(split[0]):
+            tuning["split_k"] = int(split[0])
         if int(bn):
             tuning["block_n"] = int(bn)
         if int(stages):
@@ -85,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default=None, help="HIDDEN,EXPERTS,TOP_K,INTERMEDIATE (default: the model's)")
     ap.add_argument("--block-k", type=int, default=None, help="MXFP4: inputs per GEMM step (default 128)")
     ap.add_argument("--variants", default=None,
-                    help="MXFP4: comma-separated MODE:BLOCK_N:WARPS:STAGES (MODE bits, float, group or scaled; 0 keeps "
-                         "the default), each timed as its own row")
+                    help="MXFP4: comma-separated MODE:BLOCK_N:WARPS:STAGES[:SPLIT_K] (MODE bits, float, group or "
+                         "scaled; 0 keeps the default; SPLIT_K 1 turns the decode split off), each timed as its own row")
     ap.add_argument("--align-tokens", default="1,16,64,128,256", help="the pair sort alone: token counts")
     ap.add_argument("--align-experts", default="128,256", help="the pair sort alone: expert counts")
     ap.add_argument("--align-only", action="store_true", help="time the pair sort alone, not the experts")
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
 def expert_rows(a: argparse.Namespace, H: int, E: int, K: int, I: int, dev: torch.device, bw: float,
                 g: torch.Generator) -> None:
     """`fused_moe` per format and token count: us per call, bytes, fraction of the copy roofline."""
-    from swaserve.kernels.fused_moe import _block_m, align_pairs, combine, fused_moe
+    from swaserve.kernels.fused_moe import _block_m, combine, fused_moe
+    from swaserve.kernels.moe_align import align_pairs
 
     formats = experts(a.model, H, E, I, dev, g)
     rows = []
@@ -158,7 +161,8 @@ def expert_rows(a: argparse.Namespace, H: int, E: int, K: int, I: int, dev: torc
 
 def align_rows(a: argparse.Namespace, K: int, dev: torch.device, g: torch.Generator) -> None:
     """`align_pairs` alone (its block_m as `fused_moe` picks it), one routing per captured call."""
-    from swaserve.kernels.fused_moe import _block_m, align_pairs
+    from swaserve.kernels.fused_moe import _block_m
+    from swaserve.kernels.moe_align import align_pairs
 
     rows = []
     for E in [int(e) for e in a.align_experts.split(",")]:

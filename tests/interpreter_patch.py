@@ -15,7 +15,7 @@ setattr are gone.
 
 Also an xor reduction (`tl.xor_sum`, which every compare-and-swap stage of `tl.sort` runs) becomes one
 numpy `bitwise_xor.reduce` instead of the interpreter's generic reduce, a Python call per element. Xor
-is exact, so the values are the same. Both together: `kernels.fused_moe._align_kernel` (one `tl.sort` of
+is exact, so the values are the same. Both together: `kernels.moe_align._align_kernel` (one `tl.sort` of
 2048 int32 keys) 5.9 -> 0.13 s a call.
 
 And a launch keyword that is neither the kernel's parameter nor a compile option raises, as a compiled

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from swaserve.kernels.activation import ACTS, gated_act
 from swaserve.kernels.common import _dot, dot_flags, jit_per_batch
-from swaserve.kernels.mx_dequant import _mx_dot, _mx_group_dot
+from swaserve.kernels.moe_dequant import _fp8_block_dot, _mx_dot, _mx_group_dot
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 ACT_SWIGLU_OAI = 3  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
@@ -42,26 +42,13 @@ def _swiglu_oai(g, u, alpha, limit, ty: tl.constexpr):
     return ((u + 1.0) * glu).to(ty)
 
 
-@triton.jit
-def _fp8_block_dot(a, a_scale, w_ptrs, ws_ptrs, w_mask, col_ok, acc, A_FP8: tl.constexpr, UPCAST: tl.constexpr,
-                   PREC: tl.constexpr):
-    """acc + one 128-input step of a block-FP8 weight: `w_ptrs` [K, N] e4m3, `ws_ptrs` [1, N] the scale of
-    each column's block; `a` [M, K] e4m3 with `a_scale` [M] (A_FP8: an fp8 MMA) or in the activations'
-    dtype (the weights converted to it in registers, exactly)."""
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    ws = tl.load(ws_ptrs, mask=col_ok[None, :], other=0.0)
-    if A_FP8:
-        return acc + tl.dot(a, w) * a_scale[:, None] * ws
-    return acc + _dot(a, w.to(a.dtype), UPCAST, PREC) * ws
-
-
 @jit_per_batch("num_pairs")
 def _moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_pairs, block_expert,
     num_pairs, n_out, n_in, stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
-    stride_om, alpha, limit,
+    stride_om, stride_os, k_per_split, alpha, limit,
     A_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr, SPLIT: tl.constexpr,
     FP8: tl.constexpr, A_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
@@ -70,7 +57,10 @@ def _moe_gemm_kernel(
     GATED, w holds gate rows [0, n_out) and up rows [n_out, 2 n_out) and out = act(gate) * up. row(pair)
     is the token (pair // TOP_K) when A_PER_TOKEN, else the pair itself. MXFP4: w is [E, rows, n_in/2]
     code bytes and s [E, rows, n_in/32] scales (strides in bytes). FP8: w is [E, rows, n_in] e4m3 and s
-    [E, ceil(rows/SCALE_ROWS), ceil(n_in/128)] float32; A_FP8: a is e4m3 with `as` [rows of a, ceil(n_in/128)]."""
+    [E, ceil(rows/SCALE_ROWS), ceil(n_in/128)] float32; A_FP8: a is e4m3 with `as` [rows of a, ceil(n_in/128)].
+    SPLIT (split-K): program (b, c, s) sums inputs [s * k_per_split, (s + 1) * k_per_split) only and stores
+    float32 partials to out + s * stride_os (gate at cols, up at n_out + cols); split 0 adds the bias;
+    `moe_gemm.finish_split` sums them and applies the activation."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert + b).to(tl.int64)
@@ -82,6 +72,10 @@ def _moe_gemm_kernel(
     a_row = pair // TOP_K if A_PER_TOKEN else pair
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
+    k_lo, k_hi = 0, n_in
+    if SPLIT:
+        k_lo = tl.program_id(2) * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, n_in)
     a_base = a_ptr + a_row[:, None] * stride_am
     w_base = w_ptr + e * stride_we + cols[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -89,7 +83,7 @@ def _moe_gemm_kernel(
     if MXFP4 and MX_MODE == 2:  # MX_GROUP: a group's scale once per column, after its dots
         gb = tl.arange(0, 16)  # the 16 code bytes of one 32-input group
         sg_base = s_ptr + e * stride_se + cols * stride_sn
-        for k0 in range(0, n_in, 32):
+        for k0 in range(k_lo, k_hi, 32):
             byte = k0 // 2 + gb
             k_ok = byte < n_in // 2
             a_mask = row_ok[:, None] & k_ok[None, :]
@@ -105,7 +99,7 @@ def _moe_gemm_kernel(
         kb = tl.arange(0, BLOCK_K // 2)
         kg = tl.arange(0, BLOCK_K // 32)
         sc_base = s_ptr + e * stride_se + cols[:, None] * stride_sn
-        for k0 in range(0, n_in, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < n_in)[None, :], other=0.0)
             byte = k0 // 2 + kb
             w_mask = (byte < n_in // 2)[:, None] & col_ok[None, :]
@@ -122,7 +116,7 @@ def _moe_gemm_kernel(
         ks = tl.arange(0, BLOCK_K)
         ws_base = s_ptr + e * stride_se + (cols // SCALE_ROWS)[None, :] * stride_sn
         wsu_base = s_ptr + e * stride_se + ((cols + n_out) // SCALE_ROWS)[None, :] * stride_sn
-        for k0 in range(0, n_in, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k_ok = (k0 + ks) < n_in
             a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a_scale = 0.0
@@ -137,7 +131,7 @@ def _moe_gemm_kernel(
     elif MXFP4:
         kb = tl.arange(0, BLOCK_K // 2)  # code bytes of one step: inputs 2kb (low nibble) and 2kb + 1
         s_base = s_ptr + e * stride_se + cols[None, :] * stride_sn
-        for k0 in range(0, n_in, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             byte = k0 // 2 + kb
             k_ok = byte < n_in // 2
             a_mask = row_ok[:, None] & k_ok[None, :]
@@ -152,7 +146,7 @@ def _moe_gemm_kernel(
                                  acc_up, MX_MODE, UPCAST, PREC)
     else:
         ks = tl.arange(0, BLOCK_K)
-        for k0 in range(0, n_in, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k_ok = (k0 + ks) < n_in
             a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -161,11 +155,18 @@ def _moe_gemm_kernel(
                 wu = tl.load(w_base + n_out * stride_wn + (k0 + ks)[:, None],
                              mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 acc_up += _dot(a, wu, UPCAST, PREC)
-    if HAS_BIAS:
+    if HAS_BIAS and (not SPLIT or tl.program_id(2) == 0):
         b_base = bias_ptr + e * stride_be + cols
         acc += tl.load(b_base, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(b_base + n_out, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SPLIT:  # float32 partials; the activation after their sum (`finish_split`)
+        part = out_ptr + tl.program_id(2) * stride_os + pair[:, None] * stride_om + cols[None, :]
+        keep = row_ok[:, None] & col_ok[None, :]
+        tl.store(part, acc, mask=keep)
+        if GATED:
+            tl.store(part + n_out, acc_up, mask=keep)
+        return
     ty = out_ptr.dtype.element_ty
     if GATED:
         # Rounded as F.linear's outputs would be, then the activation.
@@ -185,7 +186,8 @@ def moe_gemm(
     scales: torch.Tensor | None,  # [E, rows, n_in/32] uint8 e8m0 (MXFP4); FP8: [E, ceil(rows/scale_rows),
     # ceil(n_in/128)] float32; None for dense weights
     bias: torch.Tensor | None,  # [E, rows]
-    out: torch.Tensor,  # [pairs, n_out], written at the sorted pairs' rows only
+    out: torch.Tensor,  # [pairs, n_out], written at the sorted pairs' rows only; split_k > 1: float32
+    # partials [split_k, pairs, rows] (`finish_split` / `fused_moe.combine` sum them)
     sorted_pairs: torch.Tensor,  # [blocks * block_m] int32
     block_expert: torch.Tensor,  # [blocks] int32
     num_pairs: int,
@@ -204,9 +206,15 @@ def moe_gemm(
     mx_mode: int = MX_DEFAULT,
     scale_rows: int = FP8_BLOCK,  # FP8: weight rows per scale (128, or 1: a scale per row)
     a_scales: torch.Tensor | None = None,  # FP8 W8A8: `a` is e4m3, these its [rows of a, ceil(n_in/128)] scales
+    split_k: int = 1,  # programs a block's inputs are split over (each a run of whole K steps)
 ) -> None:
-    n_out = out.shape[1]
+    split = split_k > 1
     n_in = a.shape[1]
+    if split:
+        assert out.dtype == torch.float32 and out.dim() == 3 and out.shape[0] == split_k, (out.shape, out.dtype)
+        n_out = out.shape[2] // (2 if gated else 1)
+    else:
+        n_out = out.shape[1]
     fp8 = w.dtype == torch.float8_e4m3fn
     mx = scales is not None and not fp8
     E, rows = w.shape[:2]
@@ -223,7 +231,7 @@ def moe_gemm(
         assert w.stride(3) == 1 and w.stride(2) == 16 and scales.stride(2) == 1
     else:
         assert w.shape == (E, rows, n_in) and w.stride(2) == 1, (w.shape, w.stride())
-    assert a.stride(1) == 1 and out.stride(1) == 1
+    assert a.stride(1) == 1 and out.stride(-1) == 1
     if bias is not None:
         assert bias.shape == (E, rows) and bias.stride(1) == 1, bias.shape
     if fp8:  # 128 inputs per step (one scale); fp32 activations 64 so the stages fit in shared memory
@@ -236,12 +244,60 @@ def moe_gemm(
     upcast, prec = (False, "tf32") if a_fp8 else dot_flags(a.dtype)
     s = scales if mx or fp8 else w  # an unused pointer argument still needs a tensor
     a_s = a_scales if a_fp8 else s
-    _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n_out, block_n))](
+    step = 32 if mx and mx_mode == MX_GROUP else block_k
+    k_per_split = triton.cdiv(triton.cdiv(n_in, split_k), step) * step  # whole K steps
+    _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n_out, block_n), split_k)](
         a, a_s, w, s, bias if bias is not None else w, out, sorted_pairs, block_expert,
         num_pairs, n_out, n_in, a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-        bias.stride(0) if bias is not None else 0, out.stride(0), float(alpha), float(limit),
+        bias.stride(0) if bias is not None else 0, out.stride(-2), out.stride(0) if split else 0, k_per_split,
+        float(alpha), float(limit),
         A_PER_TOKEN=a_per_token, TOP_K=top_k, GATED=gated, ACT=MOE_ACTS[activation], HAS_BIAS=bias is not None,
-        MXFP4=mx, MX_MODE=mx_mode, FP8=fp8, A_FP8=a_fp8, SCALE_ROWS=scale_rows, BLOCK_M=block_m,
+        MXFP4=mx, MX_MODE=mx_mode, SPLIT=split, FP8=fp8, A_FP8=a_fp8, SCALE_ROWS=scale_rows, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_kwargs(a),
     )
+
+
+@jit_per_batch("n_rows")
+def _finish_split_kernel(part_ptr, out_ptr, n_rows, n_cols, stride_ps, stride_pm, stride_om, alpha, limit,
+                         SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """out[r, c] = the split-K partials of row r summed in split order, then as `_moe_gemm_kernel`'s
+    epilogue: rounded, and with GATED act(gate) * up (gate at c, up at n_cols + c of the partials)."""
+    pdl_enter(USE_PDL)
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    base = part_ptr + r * stride_pm + cols
+    acc = tl.zeros([BLOCK], tl.float32)
+    acc_up = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(base + s * stride_ps, mask=ok, other=0.0)
+        if GATED:
+            acc_up += tl.load(base + s * stride_ps + n_cols, mask=ok, other=0.0)
+    ty = out_ptr.dtype.element_ty
+    if GATED:
+        g, u = acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32)
+        if ACT == 3:  # ACT_SWIGLU_OAI
+            y = _swiglu_oai(g, u, alpha, limit, ty)
+        else:
+            y = gated_act(g, u, ty, ACT)
+    else:
+        y = acc.to(ty)
+    tl.store(out_ptr + r * stride_om + cols, y, mask=ok)
+
+
+def finish_split(parts: torch.Tensor, out: torch.Tensor, *, gated: bool, activation: str = "silu",
+                 alpha: float = 1.0, limit: float = 0.0, block: int = 512) -> torch.Tensor:
+    """`out` [rows, n] from `moe_gemm`'s float32 split-K partials `parts` [split_k, rows, n or 2n]: summed in
+    split order, rounded to out's dtype, with `gated` the activation of gate and up (rows no pair wrote
+    hold whatever the partials held: nothing reads them)."""
+    split_k, rows, width = parts.shape
+    n = out.shape[1]
+    assert width == (2 if gated else 1) * n and out.shape[0] == rows and parts.stride(2) == out.stride(1) == 1
+    if rows:
+        _finish_split_kernel[(rows, triton.cdiv(n, block))](
+            parts, out, rows, n, parts.stride(0), parts.stride(1), out.stride(0), float(alpha), float(limit),
+            SPLIT_K=split_k, GATED=gated, ACT=MOE_ACTS[activation], BLOCK=block, num_warps=4, **pdl_kwargs(parts),
+        )
+    return out

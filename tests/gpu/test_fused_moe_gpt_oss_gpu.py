@@ -11,7 +11,8 @@ import pytest
 import torch
 from engine_driver import record
 
-from swaserve.kernels.fused_moe import ALIGN_KERNEL_MAX_PAIRS, fused_moe
+from swaserve.kernels.fused_moe import fused_moe
+from swaserve.kernels.moe_align import ALIGN_KERNEL_MAX_PAIRS
 from swaserve.layers import mxfp4
 from swaserve.layers.fused_moe import moe_experts_reference
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from engine_driver import record
 
-from swaserve.kernels.fused_moe import ALIGN_KERNEL_MAX_PAIRS, _block_m, align_pairs, fused_moe
+from swaserve.kernels.fused_moe import _block_m, fused_moe
+from swaserve.kernels.moe_align import ALIGN_KERNEL_MAX_PAIRS, align_pairs
 from swaserve.layers.fused_moe import moe_experts_reference
 
 pytestmark = pytest.mark.gpu

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swaserve.kernels import fused_moe as fused_moe_kernels
-from swaserve.kernels.fused_moe import align_pairs, combine, fused_moe, num_blocks
+from swaserve.kernels import moe_align
+from swaserve.kernels.fused_moe import combine, fused_moe
+from swaserve.kernels.moe_align import align_pairs, num_blocks
 from swaserve.layers.fused_moe import moe_experts_reference
 
 
@@ -131,7 +132,7 @@ def test_alignment_invariants_both_paths(block_m, seed, device, monkeypatch):
 
 def test_sort_by_torch_ops_matches_reference(device, seed, monkeypatch):
     # Above ALIGN_KERNEL_MAX_PAIRS the pairs are sorted by torch ops (prefill); same result.
-    monkeypatch.setattr(fused_moe_kernels, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe_align, "ALIGN_KERNEL_MAX_PAIRS", 0)
     x, w1, w2, w, ids = _problem(17, 6, 3, 32, 16, torch.float32, device, seed)
     valid = torch.arange(17, device=device) % 4 != 1
     out = fused_moe(x, w1, w2, w, ids, "gelu_tanh", row_valid=valid)
@@ -191,7 +192,7 @@ def test_expert_parallel_runs_sum_to_the_whole(sort, device, seed, monkeypatch):
     the slots routed to its run only (equal to the reference's), pairs routed elsewhere sort into no block
     and their never-written rows (NaN here) are never read; the runs' outputs sum to the whole layer's."""
     if sort == "torch_ops":
-        monkeypatch.setattr(fused_moe_kernels, "ALIGN_KERNEL_MAX_PAIRS", 0)
+        monkeypatch.setattr(moe_align, "ALIGN_KERNEL_MAX_PAIRS", 0)
     x, w1, w2, w, ids = _problem(13, 7, 3, 32, 16, torch.float32, device, seed)
     valid = torch.arange(13, device=device) % 5 != 2
     whole = fused_moe(x, w1, w2, w, ids, "gelu_tanh", row_valid=valid)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swaserve.kernels import fused_moe as fused_moe_kernels
-from swaserve.kernels.fused_moe import align_pairs, fused_moe
+from swaserve.kernels import moe_align
+from swaserve.kernels.fused_moe import fused_moe
+from swaserve.kernels.moe_align import align_pairs
 from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED, moe_gemm
 from swaserve.layers import mxfp4
 from swaserve.layers.fused_moe import moe_experts_reference
@@ -147,7 +148,7 @@ def test_experts_without_tokens_padded_rows_and_poisoned_buffers(device, seed, m
 def test_sort_by_torch_ops_and_batch_invariant_tiling(device, seed, monkeypatch):
     # Above ALIGN_KERNEL_MAX_PAIRS the pairs are sorted by torch ops (prefill); deterministic mode tiles
     # 64 x 64 whatever n: both still the reference's result.
-    monkeypatch.setattr(fused_moe_kernels, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe_align, "ALIGN_KERNEL_MAX_PAIRS", 0)
     x, w1, w2, w, ids, extra = _problem(13, 5, 3, 64, 64, torch.float32, device, seed, True)
     valid = torch.arange(13, device=device) % 4 != 1
     _check(fused_moe(x, w1, w2, w, ids, "swiglu_oai", row_valid=valid, **extra), x, w1, w2, w, ids, extra,
@@ -182,3 +183,47 @@ def test_expert_parallel_runs_add_each_bias_once(quantized, device, seed):
         torch.testing.assert_close(part.cpu(), ref, rtol=1e-4, atol=1e-4)
         total += part
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_matches_the_reference_and_the_unsplit_gemms(split_k, quantized, dtype, device, seed):
+    """Both GEMMs' inputs split over programs (float32 partials; the first's summed and activated by
+    `finish_split`, the second's by the combine), biases added once: the reference's result, and the
+    unsplit kernels' to float32 rounding. 3 splits of 5 K steps leave the last one a partial step."""
+    x, w1, w2, w, ids, extra = _problem(3, 6, 2, 544, 288, dtype, device, seed, quantized)
+    out = fused_moe(x, w1, w2, w, ids, "swiglu_oai", **extra, tuning={"split_k": split_k})
+    _check(out, x, w1, w2, w, ids, extra, dtype)
+    if dtype == torch.float32:
+        whole = fused_moe(x, w1, w2, w, ids, "swiglu_oai", **extra, tuning={"split_k": 1})
+        torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_padded_rows_and_poisoned_buffers(device, seed, monkeypatch):
+    """Split partials of rows no pair wrote are never read: NaN-filled buffers, invalid rows give 0."""
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    ids = torch.tensor([[1, 4]] * 3 + [[4, 2]] * 2)
+    x, w1, w2, w, ids, extra = _problem(5, 6, 2, 288, 64, torch.float32, device, seed, True, ids=ids)
+    valid = torch.tensor([True, False, True, True, False], device=device)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = fused_moe(x, w1, w2, w, ids, "swiglu_oai", row_valid=valid, **extra, tuning={"split_k": 2})
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert torch.isfinite(out).all() and (out[~valid] == 0).all()
+    _check(out, x, w1, w2, w, ids, extra, torch.float32, valid)
+
+
+def test_split_k_is_chosen_for_mxfp4_at_decode_sizes_only():
+    """gpt-oss-20b's experts (hidden = intermediate = 2880, 64-column tiles) on 132 SMs: at one token
+    (4 experts) each GEMM's 180 programs split 4 ways; at 16 tokens (32 experts: 1,440) none; and no split
+    where each part would get fewer than two 128-input steps."""
+    from swaserve.kernels.fused_moe import _split_k
+
+    assert _split_k(4 * 45, 2880, 132) == 4
+    assert _split_k(32 * 45, 2880, 132) == 1
+    assert _split_k(4 * 45, 256, 132) == 1 and _split_k(1, 512, 132) == 2

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from swaserve.kernels.fused_moe import ALIGN_KERNEL_MAX_PAIRS, align_pairs
+from swaserve.kernels.moe_align import ALIGN_KERNEL_MAX_PAIRS, align_pairs
 
 ROUTINGS = ("uniform", "distinct", "one_expert", "crowded")
 

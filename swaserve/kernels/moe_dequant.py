@@ -1,6 +1,7 @@
-"""MXFP4 weights dequantised inside a GEMM's K loop (`kernels.moe_gemm`): FP4 e2m1 codes (two a byte, the
-low nibble the even input) and their 32-input groups' e8m0 scale bytes, to the activations' dtype, exactly
-(each value is a power of two times one of 0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+"""Quantised expert weights dequantised inside the MoE GEMM's K loop (`kernels.moe_gemm`). MXFP4: FP4 e2m1
+codes (two a byte, the low nibble the even input) and their 32-input groups' e8m0 scale bytes, to the
+activations' dtype, exactly (each value a power of two times one of 0, 0.5, 1, 1.5, 2, 3, 4, 6). Block
+FP8: e4m3 weights with a float32 scale per 128 x 128 block."""
 
 from __future__ import annotations
 
@@ -74,3 +75,16 @@ def _mx_group_dot(a_ptrs_even, a_mask, w_ptrs, s_ptrs, w_mask, s_mask, acc, UPCA
     part = _dot(a_even, w_even, UPCAST, PREC) + _dot(a_odd, w_odd, UPCAST, PREC)
     scale = (tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
     return acc + part * scale[None, :]
+
+
+@triton.jit
+def _fp8_block_dot(a, a_scale, w_ptrs, ws_ptrs, w_mask, col_ok, acc, A_FP8: tl.constexpr, UPCAST: tl.constexpr,
+                   PREC: tl.constexpr):
+    """acc + one 128-input step of a block-FP8 weight: `w_ptrs` [K, N] e4m3, `ws_ptrs` [1, N] the scale of
+    each column's block; `a` [M, K] e4m3 with `a_scale` [M] (A_FP8: an fp8 MMA) or in the activations'
+    dtype (the weights converted to it in registers, exactly)."""
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    ws = tl.load(ws_ptrs, mask=col_ok[None, :], other=0.0)
+    if A_FP8:
+        return acc + tl.dot(a, w) * a_scale[:, None] * ws
+    return acc + _dot(a, w.to(a.dtype), UPCAST, PREC) * ws
