@@ -216,11 +216,12 @@ PY
         mx_split)  # issue 39: MXFP4 experts split over K at decode sizes (`fused_moe._split_k`): the kernel tests
             # natively (real gpt-oss shapes against the reference, graph == eager), the MoE alone at 1 token with
             # splits 1 / 2 / default (4) / 8, and GPT-OSS-20B's decode step at bs 1 and 16
-            SWASERVE_KERNEL_TESTS_ON_GPU=1 run mx_split_tests 90 python3 -m pytest -q -x -p no:cacheprovider \
-                tests/kernels/test_fused_moe_gpt_oss.py tests/gpu/test_fused_moe_gpt_oss_gpu.py
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run mx_split_tests 90 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_fused_moe_gpt_oss.py
+            run mx_split_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fused_moe_gpt_oss_gpu.py
             run mx_split_moe 45 python3 benchmarks/moe_kernel.py --model gpt-oss-20b --tokens 1 \
                 --variants scaled:0:4:0:1,scaled:0:4:0:2,scaled:0:4:0:8
-            run mx_split_decode 60 python3 benchmarks/decode.py --shapes gpt-oss-20b --batch-sizes 1,16 \
+            run mx_split_decode 100 python3 benchmarks/decode.py --shapes gpt-oss-20b --batch-sizes 1,16 \
                 --contexts 1024 --steps 32 --warmup 4 ;;
         router_decode)  # issue 39: decode with the MoE-layer fusions off, then on (`router`)
             for v in 0 1; do

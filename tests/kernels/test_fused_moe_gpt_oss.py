@@ -191,13 +191,14 @@ def test_expert_parallel_runs_add_each_bias_once(quantized, device, seed):
 def test_split_k_matches_the_reference_and_the_unsplit_gemms(split_k, quantized, dtype, device, seed):
     """Both GEMMs' inputs split over programs (float32 partials; the first's summed and activated by
     `finish_split`, the second's by the combine), biases added once: the reference's result, and the
-    unsplit kernels' to float32 rounding. 3 splits of 5 K steps leave the last one a partial step."""
+    unsplit kernels' within the reference's float32 tolerance (another summation order: natively on an
+    H200 the two parted by up to 2.5e-5). 3 splits of 5 K steps leave the last one a partial step."""
     x, w1, w2, w, ids, extra = _problem(3, 6, 2, 544, 288, dtype, device, seed, quantized)
     out = fused_moe(x, w1, w2, w, ids, "swiglu_oai", **extra, tuning={"split_k": split_k})
     _check(out, x, w1, w2, w, ids, extra, dtype)
     if dtype == torch.float32:
         whole = fused_moe(x, w1, w2, w, ids, "swiglu_oai", **extra, tuning={"split_k": 1})
-        torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, whole, rtol=1e-4, atol=1e-4)
 
 
 def test_split_k_padded_rows_and_poisoned_buffers(device, seed, monkeypatch):
