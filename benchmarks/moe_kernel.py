@@ -62,10 +62,9 @@ def experts(model: str, H: int, E: int, I: int, dev: torch.device, g: torch.Gene
 
 def with_variants(formats: dict, variants: str | None) -> list[tuple[str, dict]]:
     """The formats to time: each as built, then the MXFP4 one again per `--variants` entry (its tuning)."""
-    from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED
+    from swaserve.kernels.moe_gemm import MX_MODES as modes
 
     out = list(formats.items())
-    modes = {"bits": MX_BITS, "float": MX_FLOAT, "group": MX_GROUP, "scaled": MX_SCALED}
     for v in (variants.split(",") if variants and "mxfp4" in formats else []):
         mode, bn, warps, stages, *split = v.split(":")
         tuning = {"mx_mode": modes[mode], "num_warps": int(warps)}
@@ -87,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default=None, help="HIDDEN,EXPERTS,TOP_K,INTERMEDIATE (default: the model's)")
     ap.add_argument("--block-k", type=int, default=None, help="MXFP4: inputs per GEMM step (default 128)")
     ap.add_argument("--variants", default=None,
-                    help="MXFP4: comma-separated MODE:BLOCK_N:WARPS:STAGES[:SPLIT_K] (MODE bits, float, group or "
-                         "scaled; 0 keeps the default; SPLIT_K 1 turns the decode split off), each timed as its own row")
+                    help="MXFP4: comma-separated MODE:BLOCK_N:WARPS:STAGES[:SPLIT_K] (MODE bits, float, group, "
+                         "scaled or lut; 0 keeps the default; SPLIT_K 1 turns the decode split off), each timed "
+                         "as its own row")
     ap.add_argument("--align-tokens", default="1,16,64,128,256", help="the pair sort alone: token counts")
     ap.add_argument("--align-experts", default="128,256", help="the pair sort alone: expert counts")
     ap.add_argument("--align-only", action="store_true", help="time the pair sort alone, not the experts")

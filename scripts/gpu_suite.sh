@@ -223,6 +223,15 @@ PY
                 --variants scaled:0:4:0:1,scaled:0:4:0:2,scaled:0:4:0:8
             run mx_split_decode 100 python3 benchmarks/decode.py --shapes gpt-oss-20b --batch-sizes 1,16 \
                 --contexts 1024 --steps 32 --warmup 4 ;;
+        mx_lut)  # issue 39: MXFP4 weights converted by table lookups in inline PTX (moe_gemm.MX_LUT, a variant):
+            # the exact-dequantisation and reference tests natively, the MoE alone per token count against the
+            # default (dot_scaled), then GPT-OSS-20B's decode step with it (SWASERVE_MXFP4_MODE=lut)
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run mx_lut_tests 120 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_fused_moe_gpt_oss.py -k "lut or split"
+            run mx_lut_moe 90 python3 benchmarks/moe_kernel.py --model gpt-oss-20b --tokens 1,16,64,256 \
+                --variants lut:0:4:0,lut:0:8:0,lut:32:4:0
+            SWASERVE_MXFP4_MODE=lut run mx_lut_decode 120 python3 benchmarks/decode.py --shapes gpt-oss-20b \
+                --batch-sizes 1,16,64 --contexts 1024 --steps 32 --warmup 4 ;;
         router_decode)  # issue 39: decode with the MoE-layer fusions off, then on (`router`)
             for v in 0 1; do
                 SWASERVE_FUSED_ROUTER=$v SWASERVE_FUSED_TAIL=$v run "router_decode_$v" 300 \

@@ -14,7 +14,8 @@ import triton.language as tl
 from swaserve.kernels.common import num_sms
 from swaserve.kernels.fp8_gemm import quant_fp8_groups
 from swaserve.kernels.moe_align import align_pairs
-from swaserve.kernels.moe_gemm import MOE_ACTS, MXFP4_BLOCK_K, finish_split, moe_gemm
+from swaserve.kernels.moe_gemm import MOE_ACTS, MXFP4_BLOCK_K, moe_gemm
+from swaserve.kernels.moe_split import finish_split
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 W8A8_MIN_PAIRS = 128  # FP8 experts quantise their activations from this many pairs an expert on average

@@ -88,3 +88,53 @@ def _fp8_block_dot(a, a_scale, w_ptrs, ws_ptrs, w_mask, col_ok, acc, A_FP8: tl.c
     if A_FP8:
         return acc + tl.dot(a, w) * a_scale[:, None] * ws
     return acc + _dot(a, w.to(a.dtype), UPCAST, PREC) * ws
+
+
+# MX_LUT's conversion of four code bytes (eight e2m1 values, inputs 8p .. 8p+7 of a step) to bf16 in one
+# register's worth of integer work (`MX_LUT_PTX`): the magnitudes (3 bits a nibble, in input order in the low 16 bits) index
+# two 8-entry byte tables with `prmt` (the bf16 high and low bytes of 0, 0.5, 1, 1.5, 2, 3, 4, 6), the
+# sign bits are merged into the high bytes, two more `prmt`s interleave high and low bytes into bf16
+# pairs, and one `fma.rn.bf16x2` each applies the group's scale 2^(s-127) (exact: a power of two; + -0
+# keeps a zero's sign). Outputs: $0 $1 = inputs 8p .. 8p+3 (the w_A half), $2 $3 = 8p+4 .. 8p+7 (w_B).
+MX_LUT_PTX = """{
+.reg .b32 c, c2, ha, hb, la, lb, h0, l0, h1, l1, qs, s0, s1, t, ss, nz;
+mov.b32 ha, 0x3F3F3F00; mov.b32 hb, 0x40404040; mov.b32 la, 0xC0800000; mov.b32 lb, 0xC0804000;
+and.b32 c, $4, 0x77777777; shr.u32 c2, c, 16;
+prmt.b32 h0, ha, hb, c; prmt.b32 l0, la, lb, c; prmt.b32 h1, ha, hb, c2; prmt.b32 l1, la, lb, c2;
+shl.b32 qs, $4, 4; prmt.b32 s0, qs, $4, 0x5140; prmt.b32 s1, qs, $4, 0x7362;
+lop3.b32 h0, h0, s0, 0x80808080, 0xF8; lop3.b32 h1, h1, s1, 0x80808080, 0xF8;
+and.b32 t, $5, 0xFF; shl.b32 t, t, 7; prmt.b32 ss, t, t, 0x1010; mov.b32 nz, 0x80008000;
+prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362; prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362;
+fma.rn.bf16x2 $0, $0, ss, nz; fma.rn.bf16x2 $1, $1, ss, nz; fma.rn.bf16x2 $2, $2, ss, nz; fma.rn.bf16x2 $3, $3, ss, nz;
+}"""
+_MX_LUT_ASM = tl.constexpr(MX_LUT_PTX)  # (a jit function reads module globals only as constexprs)
+
+
+@triton.jit
+def _mx_lut_dot(a_A, a_B, w_base, s_base, byte, g0, n_groups, col_ok, acc, ASM: tl.constexpr, UPCAST: tl.constexpr,
+                PREC: tl.constexpr):
+    """acc + a @ W for one K step of an MXFP4 weight (`MX_LUT`, bf16 activations): the step's code bytes
+    `byte` [K/2] (absolute, from `w_base` [1, N] pointers; groups g0 .. of `s_base`) as two bf16 tiles, w_A
+    holding at byte b the weight of input 8 (b // 4) + b % 4 of the step and w_B that of input
+    8 (b // 4) + 4 + b % 4 (what one register of four bytes converts to, `MX_LUT_PTX`); `a_A` / `a_B`
+    [M, K/2] the matching activations. The scales are loaded once a group and broadcast over its 16
+    bytes. Without ASM (the interpreter) the same tiles come from `_mx_values` on bytes loaded in that order."""
+    G: tl.constexpr = byte.shape[0] // 16
+    N: tl.constexpr = col_ok.shape[0]
+    grp = g0 + tl.arange(0, G)
+    sg = tl.load(s_base + grp[:, None], mask=(grp < n_groups)[:, None] & col_ok[None, :], other=127)  # [G, N]
+    s = tl.reshape(tl.broadcast_to(sg[:, None, :], (G, 16, N)), (G * 16, N))  # each byte's group scale
+    mask = (byte < 16 * n_groups)[:, None] & col_ok[None, :]
+    if ASM:
+        q = tl.load(w_base + byte[:, None], mask=mask, other=0)
+        w_A, w_B = tl.inline_asm_elementwise(asm=_MX_LUT_ASM, constraints="=r,=r,=r,=r,r,r", args=[q, s],
+                                             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        src = (byte // 4) * 4 + (byte % 4) // 2  # the byte holding w_A's input; w_B's is 2 further
+        odd = ((byte % 2) == 1)[:, None]
+        qa = tl.load(w_base + src[:, None], mask=mask, other=0).to(tl.int32)
+        qb = tl.load(w_base + (src + 2)[:, None], mask=mask, other=0).to(tl.int32)
+        s32 = s.to(tl.int32)
+        w_A = _mx_values(tl.where(odd, qa >> 4, qa & 15), s32, tl.bfloat16)
+        w_B = _mx_values(tl.where(odd, qb >> 4, qb & 15), s32, tl.bfloat16)
+    return acc + _dot(a_A, w_A, UPCAST, PREC) + _dot(a_B, w_B, UPCAST, PREC)

@@ -7,13 +7,15 @@ clamped SwiGLU, fused into the first GEMM's epilogue."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from swaserve.kernels.activation import ACTS, gated_act
-from swaserve.kernels.common import _dot, dot_flags, jit_per_batch
-from swaserve.kernels.moe_dequant import _fp8_block_dot, _mx_dot, _mx_group_dot
+from swaserve.kernels.common import _dot, dot_flags, interpret_mode, jit_per_batch
+from swaserve.kernels.moe_dequant import _fp8_block_dot, _mx_dot, _mx_group_dot, _mx_lut_dot
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 ACT_SWIGLU_OAI = 3  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
@@ -26,11 +28,16 @@ FP8_BLOCK = 128  # inputs (and rows) per block-FP8 weight scale
 # after them (steps of 32 inputs). All three are exact per weight; they differ in instructions per byte.
 # MX_SCALED hands codes and scales to Triton's `tl.dot_scaled` (bf16 activations only; others fall back
 # to MX_FLOAT), whose Hopper lowering upcasts e2m1 in the MMA operand's own register layout.
-MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED = 0, 1, 2, 3
+MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED, MX_LUT = 0, 1, 2, 3, 4
+# MX_LUT (bf16 activations; a benchmark variant, not yet run on a GPU): each register of four code bytes
+# converted by table lookups (`moe_dequant._MX_LUT_ASM`, ~2.7 instructions a weight with its scale) into two
+# bf16 tiles whose inputs interleave in fours, matched by the activations' load order.
 # dot_scaled measured fastest on one H100 at every size, gpt-oss-20b and -120b experts: 1.4x MX_FLOAT at
 # 1 token, 2.0-2.8x at 16-256 (benchmarks/results/h100_gpt_oss_moe_sweep_scaled_{20b,120b}.log; before it,
 # MX_FLOAT was 1.27-1.36x the bit patterns: h100_gpt_oss_moe_sweep_20b.log).
-MX_DEFAULT = MX_SCALED
+MX_MODES = {"bits": MX_BITS, "float": MX_FLOAT, "group": MX_GROUP, "scaled": MX_SCALED, "lut": MX_LUT}
+# SWASERVE_MXFP4_MODE (a name above) picks another for a whole run: decode benchmarks of the variants
+MX_DEFAULT = MX_MODES[os.environ.get("SWASERVE_MXFP4_MODE", "scaled")]
 
 
 @triton.jit
@@ -48,7 +55,7 @@ def _moe_gemm_kernel(
     num_pairs, n_out, n_in, stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
     stride_om, stride_os, k_per_split, alpha, limit,
     A_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr, MX_ASM: tl.constexpr, SPLIT: tl.constexpr,
     FP8: tl.constexpr, A_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
@@ -60,7 +67,7 @@ def _moe_gemm_kernel(
     [E, ceil(rows/SCALE_ROWS), ceil(n_in/128)] float32; A_FP8: a is e4m3 with `as` [rows of a, ceil(n_in/128)].
     SPLIT (split-K): program (b, c, s) sums inputs [s * k_per_split, (s + 1) * k_per_split) only and stores
     float32 partials to out + s * stride_os (gate at cols, up at n_out + cols); split 0 adds the bias;
-    `moe_gemm.finish_split` sums them and applies the activation."""
+    `moe_split.finish_split` sums them and applies the activation."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert + b).to(tl.int64)
@@ -112,6 +119,20 @@ def _moe_gemm_kernel(
                 wu = tl.load(w_base + n_out * stride_wn + byte[:, None], mask=w_mask, other=0)
                 su = tl.load(sc_base + n_out * stride_sn + grp[None, :], mask=s_mask, other=127)
                 acc_up = tl.dot_scaled(a, None, "bf16", wu, su, "e2m1", acc=acc_up)
+    elif MXFP4 and MX_MODE == 4:  # MX_LUT: w_A / w_B hold inputs 8 (b // 4) + b % 4 (+ 4) of byte b
+        kb = tl.arange(0, BLOCK_K // 2)
+        ia = (kb // 4) * 8 + kb % 4
+        s_base = s_ptr + e * stride_se + cols[None, :] * stride_sn
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            byte = k0 // 2 + kb
+            k_ok = byte < n_in // 2  # whole 4-byte runs: n_in is a multiple of 32
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            a_A = tl.load(a_base + (k0 + ia)[None, :], mask=a_mask, other=0.0)
+            a_B = tl.load(a_base + (k0 + ia + 4)[None, :], mask=a_mask, other=0.0)
+            acc = _mx_lut_dot(a_A, a_B, w_base, s_base, byte, k0 // 32, n_in // 32, col_ok, acc, MX_ASM, UPCAST, PREC)
+            if GATED:
+                acc_up = _mx_lut_dot(a_A, a_B, w_base + n_out * stride_wn, s_base + n_out * stride_sn, byte, k0 // 32,
+                                     n_in // 32, col_ok, acc_up, MX_ASM, UPCAST, PREC)
     elif FP8:
         ks = tl.arange(0, BLOCK_K)
         ws_base = s_ptr + e * stride_se + (cols // SCALE_ROWS)[None, :] * stride_sn
@@ -187,7 +208,7 @@ def moe_gemm(
     # ceil(n_in/128)] float32; None for dense weights
     bias: torch.Tensor | None,  # [E, rows]
     out: torch.Tensor,  # [pairs, n_out], written at the sorted pairs' rows only; split_k > 1: float32
-    # partials [split_k, pairs, rows] (`finish_split` / `fused_moe.combine` sum them)
+    # partials [split_k, pairs, rows] (`moe_split.finish_split` / `fused_moe.combine` sum them)
     sorted_pairs: torch.Tensor,  # [blocks * block_m] int32
     block_expert: torch.Tensor,  # [blocks] int32
     num_pairs: int,
@@ -238,8 +259,8 @@ def moe_gemm(
         block_k = block_k or (64 if a.dtype == torch.float32 else FP8_BLOCK)
         assert FP8_BLOCK % block_k == 0, block_k
     block_k = block_k or (MXFP4_BLOCK_K if mx else DENSE_BLOCK_K)
-    if mx_mode == MX_SCALED and a.dtype != torch.bfloat16:
-        mx_mode = MX_FLOAT  # dot_scaled takes bf16 (or fp16) activations, not float32
+    if mx_mode in (MX_SCALED, MX_LUT) and a.dtype != torch.bfloat16:
+        mx_mode = MX_FLOAT  # dot_scaled and the LUT's tiles take bf16 activations, not float32
     a_fp8 = a_scales is not None
     upcast, prec = (False, "tf32") if a_fp8 else dot_flags(a.dtype)
     s = scales if mx or fp8 else w  # an unused pointer argument still needs a tensor
@@ -252,52 +273,7 @@ def moe_gemm(
         bias.stride(0) if bias is not None else 0, out.stride(-2), out.stride(0) if split else 0, k_per_split,
         float(alpha), float(limit),
         A_PER_TOKEN=a_per_token, TOP_K=top_k, GATED=gated, ACT=MOE_ACTS[activation], HAS_BIAS=bias is not None,
-        MXFP4=mx, MX_MODE=mx_mode, SPLIT=split, FP8=fp8, A_FP8=a_fp8, SCALE_ROWS=scale_rows, BLOCK_M=block_m,
+        MXFP4=mx, MX_MODE=mx_mode, MX_ASM=not interpret_mode(), SPLIT=split, FP8=fp8, A_FP8=a_fp8, SCALE_ROWS=scale_rows, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_kwargs(a),
     )
-
-
-@jit_per_batch("n_rows")
-def _finish_split_kernel(part_ptr, out_ptr, n_rows, n_cols, stride_ps, stride_pm, stride_om, alpha, limit,
-                         SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    """out[r, c] = the split-K partials of row r summed in split order, then as `_moe_gemm_kernel`'s
-    epilogue: rounded, and with GATED act(gate) * up (gate at c, up at n_cols + c of the partials)."""
-    pdl_enter(USE_PDL)
-    r = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    base = part_ptr + r * stride_pm + cols
-    acc = tl.zeros([BLOCK], tl.float32)
-    acc_up = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(base + s * stride_ps, mask=ok, other=0.0)
-        if GATED:
-            acc_up += tl.load(base + s * stride_ps + n_cols, mask=ok, other=0.0)
-    ty = out_ptr.dtype.element_ty
-    if GATED:
-        g, u = acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32)
-        if ACT == 3:  # ACT_SWIGLU_OAI
-            y = _swiglu_oai(g, u, alpha, limit, ty)
-        else:
-            y = gated_act(g, u, ty, ACT)
-    else:
-        y = acc.to(ty)
-    tl.store(out_ptr + r * stride_om + cols, y, mask=ok)
-
-
-def finish_split(parts: torch.Tensor, out: torch.Tensor, *, gated: bool, activation: str = "silu",
-                 alpha: float = 1.0, limit: float = 0.0, block: int = 512) -> torch.Tensor:
-    """`out` [rows, n] from `moe_gemm`'s float32 split-K partials `parts` [split_k, rows, n or 2n]: summed in
-    split order, rounded to out's dtype, with `gated` the activation of gate and up (rows no pair wrote
-    hold whatever the partials held: nothing reads them)."""
-    split_k, rows, width = parts.shape
-    n = out.shape[1]
-    assert width == (2 if gated else 1) * n and out.shape[0] == rows and parts.stride(2) == out.stride(1) == 1
-    if rows:
-        _finish_split_kernel[(rows, triton.cdiv(n, block))](
-            parts, out, rows, n, parts.stride(0), parts.stride(1), out.stride(0), float(alpha), float(limit),
-            SPLIT_K=split_k, GATED=gated, ACT=MOE_ACTS[activation], BLOCK=block, num_warps=4, **pdl_kwargs(parts),
-        )
-    return out

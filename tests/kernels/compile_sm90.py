@@ -32,6 +32,7 @@ fp8_gemm = importlib.import_module("swaserve.kernels.fp8_gemm")
 norm = importlib.import_module("swaserve.kernels.norm")
 router_topk = importlib.import_module("swaserve.kernels.router_topk")
 ffn_tail = importlib.import_module("swaserve.kernels.ffn_tail")
+moe_gemm = importlib.import_module("swaserve.kernels.moe_gemm")
 moe_inputs = importlib.import_module("swaserve.kernels.moe_inputs")
 qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
@@ -41,7 +42,7 @@ unified_attention = importlib.import_module("swaserve.kernels.unified_attention"
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMEM = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-        torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
+        torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8"}
 _READ = re.compile(r"\b(ld\.global|cp\.async)")
 _WRITE = re.compile(r"\b(st\.global|atom\.global|red\.global)")
 # global loads narrower than 4 bytes: 1- and 2-byte elements read one at a time (a tile whose rows Triton
@@ -168,6 +169,34 @@ def _attention_cases() -> list[tuple]:
                               qe, torch.zeros_like(qe), kve, kve, torch.zeros(8, 1024, dtype=torch.int32),
                               torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
                               torch.zeros(5, dtype=torch.int32), 1.0, max_extend_len=4, window=w)))
+    return cases
+
+
+def _mxfp4_moe_cases() -> list[tuple]:
+    """gpt-oss-20b's MXFP4 expert GEMMs at one token (4 pairs in one 16-row block an expert): the default
+    (`tl.dot_scaled`, split over K as `fused_moe` splits it at decode) and the MX_LUT variant (table-lookup
+    conversion in inline PTX, which ptxas must accept), gate/up (gated, GPT-OSS's activation) and down."""
+    H, I, E, pairs = 2880, 2880, 32, 4
+    a, h = torch.zeros(pairs, H, dtype=torch.bfloat16), torch.zeros(pairs, I, dtype=torch.bfloat16)
+    w1, s1 = torch.zeros(E, 2 * I, H // 32, 16, dtype=torch.uint8), torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8)
+    w2, s2 = torch.zeros(E, H, I // 32, 16, dtype=torch.uint8), torch.zeros(E, H, I // 32, dtype=torch.uint8)
+    b1, b2 = torch.zeros(E, 2 * I, dtype=torch.bfloat16), torch.zeros(E, H, dtype=torch.bfloat16)
+    sp, be = torch.zeros(4 * 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    cases = []
+    for mode, tag in ((moe_gemm.MX_SCALED, "scaled, split 4"), (moe_gemm.MX_LUT, "lut")):
+        split = 4 if mode == moe_gemm.MX_SCALED else 1
+        out1 = torch.zeros(split, pairs, 2 * I) if split > 1 else torch.zeros(pairs, I, dtype=torch.bfloat16)
+        out2 = torch.zeros(split, pairs, H) if split > 1 else torch.zeros(pairs, H, dtype=torch.bfloat16)
+        common = {"top_k": 4, "block_m": 16, "block_n": 64, "mx_mode": mode, "split_k": split}
+        cases += [
+            (f"moe_gemm[mxfp4 {tag}, gate_up]", moe_gemm, "_moe_gemm_kernel",
+             lambda out1=out1, common=common: moe_gemm.moe_gemm(a, w1, s1, b1, out1, sp, be, pairs, a_per_token=True,
+                                                                gated=True, activation="swiglu_oai", alpha=1.702,
+                                                                limit=7.0, **common)),
+            (f"moe_gemm[mxfp4 {tag}, down]", moe_gemm, "_moe_gemm_kernel",
+             lambda out2=out2, common=common: moe_gemm.moe_gemm(h, w2, s2, b2, out2, sp, be, pairs, a_per_token=False,
+                                                                gated=False, **common)),
+        ]
     return cases
 
 
@@ -316,7 +345,7 @@ def main() -> None:
         ("decode_stage2", decode_attention, "_decode_stage2",
          lambda: decode_attention.decode_attention(q, kv_buf, kv_buf, indptr, indices, out, 0.06, num_kv_splits=4)),
     ]
-    cases += _attention_cases() + _fp8_kv_cases() + _fp8_asm_cases() + _fp8_gemm_cases()
+    cases += _attention_cases() + _fp8_kv_cases() + _fp8_asm_cases() + _fp8_gemm_cases() + _mxfp4_moe_cases()
     cases += [  # the MoE routers' selection: Gemma-4-26B-A4B's (bf16 logits, per-expert scale), GPT-OSS-20B's
         ("route_topk[bf16, E=128, k=8, scaled]", router_topk, "_route_topk_kernel",
          lambda: router_topk.route_topk(torch.zeros(T, 128, dtype=bf16), 8, torch.zeros(128, dtype=bf16))),

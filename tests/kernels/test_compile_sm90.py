@@ -50,7 +50,8 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "fp8_gemm[w8a8, 2048 rows]", "fp8_gemm[w8a16, 64 rows]", "unified[fp8 kv asm, decode chunk]",
             "unified[fp8 kv asm, extend]", "route_topk[bf16, E=128, k=8, scaled]", "route_topk[fp32, E=32, k=4]", "ffn_tail[moe]",
             "ffn_tail[dense, 4 parts]", "moe_inputs", "route_grouped[E=256, k=8, 1 groups]",
-            "route_grouped[E=256, k=8, 8 groups]"} <= names
+            "route_grouped[E=256, k=8, 8 groups]", "moe_gemm[mxfp4 scaled, split 4, gate_up]",
+            "moe_gemm[mxfp4 lut, gate_up]", "moe_gemm[mxfp4 lut, down]"} <= names
     for r in rows:  # the unified kernel's inline e4m3 conversion (sm_89+): tiles staged as fp16
         if "asm" in r["kernel"]:
             assert r["shared_byte_reads"] == 0 and r["dot_kwidths"] == [2], r
@@ -61,11 +62,16 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
     for r in rows:  # deterministic attention: every MMA operand 2 elements wide along K, e4m3 pools as bf16 ones
         if r["kernel"].startswith("unified["):  # (the older MMA or the warpgroup one: the same bits, measured)
             assert r["dot_kwidths"] == [2], r
+    for r in rows:  # MXFP4 experts: MX_LUT's codes reach the MMA without byte reads from shared memory (the
+        if r["kernel"].startswith("moe_gemm[mxfp4"):  # scale tile aside); dot_scaled's read each staged byte
+            lut = "lut" in r["kernel"]
+            assert (r["shared_byte_reads"] <= 8) == lut and r["narrow_reads"] <= 8, r  # scale bytes: one a group
     for r in rows:
         assert r["fits_h100"], r
         # 16-byte tiles: row strides keep their divisibility (jit_per_batch); one bf16 value read alone: the
-        # router's per-expert scale (a gather), the layer tail's scalar
-        assert r["narrow_reads"] == (1 if r["kernel"].endswith("scaled]") or r["kernel"].startswith("ffn_tail") else 0), r
+        # router's per-expert scale (a gather), the layer tail's scalar (MXFP4 scale bytes: above)
+        if not r["kernel"].startswith("moe_gemm[mxfp4"):
+            assert r["narrow_reads"] == (1 if r["kernel"].endswith("scaled]") or r["kernel"].startswith("ffn_tail") else 0), r
         if r["kernel"].startswith(("extend", "store_kv", "unified", "quant_fp8", "fp8_gemm", "route_")):  # no PDL
             continue
         assert r["pdl_wait"] and r["release_before_wait"] and r["writes_before_wait"] == 0, r

@@ -12,7 +12,7 @@ import torch
 from swaserve.kernels import moe_align
 from swaserve.kernels.fused_moe import fused_moe
 from swaserve.kernels.moe_align import align_pairs
-from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED, moe_gemm
+from swaserve.kernels.moe_gemm import MX_BITS, MX_FLOAT, MX_GROUP, MX_LUT, MX_SCALED, moe_gemm
 from swaserve.layers import mxfp4
 from swaserve.layers.fused_moe import moe_experts_reference
 
@@ -86,7 +86,8 @@ def test_clamps_engage():
     torch.testing.assert_close(out, dense, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("mx_mode", [MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED], ids=["bits", "float", "group", "scaled"])
+@pytest.mark.parametrize("mx_mode", [MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED, MX_LUT],
+                         ids=["bits", "float", "group", "scaled", "lut"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_dequantises_every_code_and_scale_exactly(dtype, mx_mode, device, seed):
     """One-hot activations through the (ungated) down GEMM return the weight itself: every one of the
@@ -111,7 +112,7 @@ def test_kernel_dequantises_every_code_and_scale_exactly(dtype, mx_mode, device,
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("mx_mode", [MX_BITS, MX_GROUP, MX_SCALED], ids=["bits", "group", "scaled"])
+@pytest.mark.parametrize("mx_mode", [MX_BITS, MX_GROUP, MX_SCALED, MX_LUT], ids=["bits", "group", "scaled", "lut"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_dequantisation_mode_matches_the_reference(mx_mode, dtype, device, seed):
     """The gated, biased GPT-OSS path through each of moe_gemm's other MXFP4 modes (the default, float,
