@@ -91,8 +91,8 @@ def _fp8_block_dot(a, a_scale, w_ptrs, ws_ptrs, w_mask, col_ok, acc, A_FP8: tl.c
 
 
 # MX_LUT's conversion of four code bytes (eight e2m1 values, inputs 8p .. 8p+7 of a step) to bf16 in one
-# register's worth of integer work (`MX_LUT_PTX`): the magnitudes (3 bits a nibble, in input order in the low 16 bits) index
-# two 8-entry byte tables with `prmt` (the bf16 high and low bytes of 0, 0.5, 1, 1.5, 2, 3, 4, 6), the
+# register's worth of integer work (`MX_LUT_PTX`): the magnitudes (3 bits a nibble, in input order in the
+# low 16 bits) index two 8-entry byte tables with `prmt` (the bf16 high and low bytes of 0, 0.5, 1, 1.5, 2, 3, 4, 6), the
 # sign bits are merged into the high bytes, two more `prmt`s interleave high and low bytes into bf16
 # pairs, and one `fma.rn.bf16x2` each applies the group's scale 2^(s-127) (exact: a power of two; + -0
 # keeps a zero's sign). Outputs: $0 $1 = inputs 8p .. 8p+3 (the w_A half), $2 $3 = 8p+4 .. 8p+7 (w_B).
@@ -104,8 +104,10 @@ prmt.b32 h0, ha, hb, c; prmt.b32 l0, la, lb, c; prmt.b32 h1, ha, hb, c2; prmt.b3
 shl.b32 qs, $4, 4; prmt.b32 s0, qs, $4, 0x5140; prmt.b32 s1, qs, $4, 0x7362;
 lop3.b32 h0, h0, s0, 0x80808080, 0xF8; lop3.b32 h1, h1, s1, 0x80808080, 0xF8;
 and.b32 t, $5, 0xFF; shl.b32 t, t, 7; prmt.b32 ss, t, t, 0x1010; mov.b32 nz, 0x80008000;
-prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362; prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362;
-fma.rn.bf16x2 $0, $0, ss, nz; fma.rn.bf16x2 $1, $1, ss, nz; fma.rn.bf16x2 $2, $2, ss, nz; fma.rn.bf16x2 $3, $3, ss, nz;
+prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362;
+prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362;
+fma.rn.bf16x2 $0, $0, ss, nz; fma.rn.bf16x2 $1, $1, ss, nz;
+fma.rn.bf16x2 $2, $2, ss, nz; fma.rn.bf16x2 $3, $3, ss, nz;
 }"""
 _MX_LUT_ASM = tl.constexpr(MX_LUT_PTX)  # (a jit function reads module globals only as constexprs)
 

@@ -30,14 +30,23 @@ FP8_BLOCK = 128  # inputs (and rows) per block-FP8 weight scale
 # to MX_FLOAT), whose Hopper lowering upcasts e2m1 in the MMA operand's own register layout.
 MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED, MX_LUT = 0, 1, 2, 3, 4
 # MX_LUT (bf16 activations; a benchmark variant, not yet run on a GPU): each register of four code bytes
-# converted by table lookups (`moe_dequant._MX_LUT_ASM`, ~2.7 instructions a weight with its scale) into two
+# converted by table lookups (`moe_dequant.MX_LUT_PTX`, ~2.7 instructions a weight with its scale) into two
 # bf16 tiles whose inputs interleave in fours, matched by the activations' load order.
 # dot_scaled measured fastest on one H100 at every size, gpt-oss-20b and -120b experts: 1.4x MX_FLOAT at
 # 1 token, 2.0-2.8x at 16-256 (benchmarks/results/h100_gpt_oss_moe_sweep_scaled_{20b,120b}.log; before it,
 # MX_FLOAT was 1.27-1.36x the bit patterns: h100_gpt_oss_moe_sweep_20b.log).
 MX_MODES = {"bits": MX_BITS, "float": MX_FLOAT, "group": MX_GROUP, "scaled": MX_SCALED, "lut": MX_LUT}
-# SWASERVE_MXFP4_MODE (a name above) picks another for a whole run: decode benchmarks of the variants
-MX_DEFAULT = MX_MODES[os.environ.get("SWASERVE_MXFP4_MODE", "scaled")]
+
+
+def _default_mode() -> int:
+    """MX_SCALED, or the mode SWASERVE_MXFP4_MODE names for a whole run (decode benchmarks of the variants)."""
+    name = os.environ.get("SWASERVE_MXFP4_MODE", "scaled")
+    if name not in MX_MODES:
+        raise ValueError(f"SWASERVE_MXFP4_MODE={name!r}: one of {', '.join(MX_MODES)}")
+    return MX_MODES[name]
+
+
+MX_DEFAULT = _default_mode()
 
 
 @triton.jit
@@ -55,8 +64,8 @@ def _moe_gemm_kernel(
     num_pairs, n_out, n_in, stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
     stride_om, stride_os, k_per_split, alpha, limit,
     A_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr, MX_ASM: tl.constexpr, SPLIT: tl.constexpr,
-    FP8: tl.constexpr, A_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, MX_MODE: tl.constexpr, MX_ASM: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, A_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -129,10 +138,11 @@ def _moe_gemm_kernel(
             a_mask = row_ok[:, None] & k_ok[None, :]
             a_A = tl.load(a_base + (k0 + ia)[None, :], mask=a_mask, other=0.0)
             a_B = tl.load(a_base + (k0 + ia + 4)[None, :], mask=a_mask, other=0.0)
-            acc = _mx_lut_dot(a_A, a_B, w_base, s_base, byte, k0 // 32, n_in // 32, col_ok, acc, MX_ASM, UPCAST, PREC)
+            g0, groups = k0 // 32, n_in // 32
+            acc = _mx_lut_dot(a_A, a_B, w_base, s_base, byte, g0, groups, col_ok, acc, MX_ASM, UPCAST, PREC)
             if GATED:
-                acc_up = _mx_lut_dot(a_A, a_B, w_base + n_out * stride_wn, s_base + n_out * stride_sn, byte, k0 // 32,
-                                     n_in // 32, col_ok, acc_up, MX_ASM, UPCAST, PREC)
+                acc_up = _mx_lut_dot(a_A, a_B, w_base + n_out * stride_wn, s_base + n_out * stride_sn, byte, g0,
+                                     groups, col_ok, acc_up, MX_ASM, UPCAST, PREC)
     elif FP8:
         ks = tl.arange(0, BLOCK_K)
         ws_base = s_ptr + e * stride_se + (cols // SCALE_ROWS)[None, :] * stride_sn
@@ -273,7 +283,7 @@ def moe_gemm(
         bias.stride(0) if bias is not None else 0, out.stride(-2), out.stride(0) if split else 0, k_per_split,
         float(alpha), float(limit),
         A_PER_TOKEN=a_per_token, TOP_K=top_k, GATED=gated, ACT=MOE_ACTS[activation], HAS_BIAS=bias is not None,
-        MXFP4=mx, MX_MODE=mx_mode, MX_ASM=not interpret_mode(), SPLIT=split, FP8=fp8, A_FP8=a_fp8, SCALE_ROWS=scale_rows, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
+        MXFP4=mx, MX_MODE=mx_mode, MX_ASM=not interpret_mode(), SPLIT=split, FP8=fp8, A_FP8=a_fp8,
+        SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PREC=prec,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_kwargs(a),
     )

@@ -98,6 +98,33 @@ def _signature(kernel, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
     return sig, consts, options, attrs
 
 
+def _asm_pack_layouts(ttgir: str) -> list[dict]:
+    """Each packed inline-asm op's pack size and operand layout: a blocked one's sizePerThread and order, or
+    a dot operand's opIdx and kWidth. A pack of 4 is 4 consecutive elements of a thread, so it lies along
+    one dimension only if the thread holds runs of 4k along it."""
+    blocked = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{(.*?)\}>", ttgir, re.MULTILINE))
+
+    def ints(key: str, text: str) -> list[int] | None:
+        m = re.search(rf"{key} = \[([\d, ]+)\]", text)
+        return [int(x) for x in m.group(1).split(",")] if m else None
+
+    out = []
+    for line in ttgir.splitlines():
+        m = re.search(r"elementwise_inline_asm .*packed_element = (\d+).*? : tensor<[^,]*, (#blocked\d*|#ttg\.dot_op<\{[^}]*\}>)",
+                      line)
+        if not m:
+            continue
+        enc = m.group(2)
+        row: dict = {"pack": int(m.group(1))}
+        if enc.startswith("#blocked"):
+            row |= {"size_per_thread": ints("sizePerThread", blocked.get(enc, "")), "order": ints("order", blocked.get(enc, ""))}
+        else:
+            row |= {"dot_operand": int(re.search(r"opIdx = (\d+)", enc).group(1)),
+                    "k_width": int(re.search(r"kWidth = (\d+)", enc).group(1))}
+        out.append(row)
+    return out
+
+
 def _check(name: str, module, attr: str, call) -> dict:
     # Every jit function of the module records (a wrapper may launch two kernels; helpers are never
     # called, as nothing launches); `attr` is the one compiled.
@@ -129,6 +156,7 @@ def _check(name: str, module, attr: str, call) -> dict:
             # tile converted after its shared-memory load shows 4) and whether the warpgroup MMA ran
             "dot_kwidths": sorted({int(k) for k in re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"])}),
             "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
+            "asm_pack_layouts": _asm_pack_layouts(compiled.asm["ttgir"]),
             "shared": compiled.metadata.shared, "fits_h100": compiled.metadata.shared <= H100_SMEM}
 
 

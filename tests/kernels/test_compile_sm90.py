@@ -66,6 +66,11 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
         if r["kernel"].startswith("moe_gemm[mxfp4"):  # scale tile aside); dot_scaled's read each staged byte
             lut = "lut" in r["kernel"]
             assert (r["shared_byte_reads"] <= 8) == lut and r["narrow_reads"] <= 8, r  # scale bytes: one a group
+            # MX_LUT's asm takes 4 code bytes a register: consecutive along K (dim 0 of the [K/2, N] tile, or
+            # the K runs of the MMA's B operand), as its output order assumes
+            assert all((p.get("order") == [0, 1] and p["size_per_thread"][0] % p["pack"] == 0)
+                       or (p.get("dot_operand") == 1 and p["k_width"] % p["pack"] == 0)
+                       for p in r["asm_pack_layouts"]) and bool(r["asm_pack_layouts"]) == lut, r
     for r in rows:
         assert r["fits_h100"], r
         # 16-byte tiles: row strides keep their divisibility (jit_per_batch); one bf16 value read alone: the
