@@ -60,10 +60,10 @@ def _combine_kernel(
 
 def _split_k(programs: int, n_in: int, sms: int) -> int:
     """How many programs share each MXFP4 tile's inputs (a power of two): until the GEMM has
-    `MX_SPLIT_PROGRAMS` programs an SM, each with at least two 128-input steps. At decode an MXFP4
-    program's K loop is latency-bound (codes converted and scaled in registers between the loads and the
-    MMA): gpt-oss-20b at one token took 48 us a launch on an H200, 11% of its bytes' bandwidth, against
-    62% for Gemma 4's bf16 experts (`benchmarks/results/h200_router_fusions_2026-11-29.log`)."""
+    `MX_SPLIT_PROGRAMS` programs an SM, each with at least two 128-input steps. At decode few programs
+    each walked the whole K loop, converting codes between the loads and the MMA: gpt-oss-20b's experts
+    at one token took 100.7 us on an H200 (11% of their bytes' bandwidth), 70.2 split 4 ways (2 or 8:
+    72.2 / 71.4, so what is left is the conversion's work; `benchmarks/results/h200_mx_split_2026-11-29.log`)."""
     split = 1
     while programs * split < MX_SPLIT_PROGRAMS * sms and n_in >= 2 * split * 2 * MXFP4_BLOCK_K:
         split *= 2
@@ -160,9 +160,10 @@ def fused_moe(
         finish_split(parts, h, gated=True, activation=activation, **act)
     # Rows of h no pair wrote (padded rows) quantise to garbage that no block reads.
     ha, hs = quant_fp8_groups(h) if act_fp8 else (h, None)
-    # [pairs, H], or its float32 partials [split2, pairs, H] (the combine sums them)
-    y = torch.empty(*((split2,) if split2 > 1 else ()), n * k, H, dtype=torch.float32 if split2 > 1 else x.dtype,
-                    device=x.device)
+    if split2 > 1:  # the down GEMM's float32 partials: the combine sums them
+        y = torch.empty(split2, n * k, H, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(n * k, H, dtype=x.dtype, device=x.device)  # [pairs, H]
     moe_gemm(ha, w_down, down_scales, down_bias, y, sorted_pairs, block_expert, n * k, top_k=k,
              a_per_token=False, gated=False, block_m=bm, block_n=bn, block_k=block_k, a_scales=hs, split_k=split2,
              **tune)

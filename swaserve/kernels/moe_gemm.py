@@ -58,6 +58,18 @@ def _swiglu_oai(g, u, alpha, limit, ty: tl.constexpr):
     return ((u + 1.0) * glu).to(ty)
 
 
+@triton.jit
+def _expert_out(acc, acc_up, alpha, limit, ty: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr):
+    """A GEMM's output in `ty` from its float32 sums: with GATED, gate and up rounded as F.linear's outputs
+    would be, then the activation (`_moe_gemm_kernel`'s epilogue, and `moe_split`'s after a split)."""
+    if GATED:
+        g, u = acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32)
+        if ACT == 3:  # ACT_SWIGLU_OAI
+            return _swiglu_oai(g, u, alpha, limit, ty)
+        return gated_act(g, u, ty, ACT)
+    return acc.to(ty)
+
+
 @jit_per_batch("num_pairs")
 def _moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_pairs, block_expert,
@@ -198,16 +210,7 @@ def _moe_gemm_kernel(
         if GATED:
             tl.store(part + n_out, acc_up, mask=keep)
         return
-    ty = out_ptr.dtype.element_ty
-    if GATED:
-        # Rounded as F.linear's outputs would be, then the activation.
-        g, u = acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32)
-        if ACT == 3:  # ACT_SWIGLU_OAI
-            y = _swiglu_oai(g, u, alpha, limit, ty)
-        else:
-            y = gated_act(g, u, ty, ACT)
-    else:
-        y = acc.to(ty)
+    y = _expert_out(acc, acc_up, alpha, limit, out_ptr.dtype.element_ty, GATED, ACT)
     tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 

@@ -9,9 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.kernels.activation import gated_act
 from swaserve.kernels.common import jit_per_batch
-from swaserve.kernels.moe_gemm import MOE_ACTS, _swiglu_oai
+from swaserve.kernels.moe_gemm import MOE_ACTS, _expert_out
 from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 
 
@@ -19,8 +18,8 @@ from swaserve.kernels.pdl import pdl_enter, pdl_kwargs
 def _finish_split_kernel(part_ptr, out_ptr, n_rows, n_cols, stride_ps, stride_pm, stride_om, alpha, limit,
                          SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    """out[r, c] = the split-K partials of row r summed in split order, then as `_moe_gemm_kernel`'s
-    epilogue: rounded, and with GATED act(gate) * up (gate at c, up at n_cols + c of the partials)."""
+    """out[r, c] = the split-K partials of row r summed in split order, then `_expert_out` (the unsplit
+    kernel's epilogue): rounded, and with GATED act(gate) * up (gate at c, up at n_cols + c of the partials)."""
     pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -32,16 +31,8 @@ def _finish_split_kernel(part_ptr, out_ptr, n_rows, n_cols, stride_ps, stride_pm
         acc += tl.load(base + s * stride_ps, mask=ok, other=0.0)
         if GATED:
             acc_up += tl.load(base + s * stride_ps + n_cols, mask=ok, other=0.0)
-    ty = out_ptr.dtype.element_ty
-    if GATED:
-        g, u = acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32)
-        if ACT == 3:  # ACT_SWIGLU_OAI
-            y = _swiglu_oai(g, u, alpha, limit, ty)
-        else:
-            y = gated_act(g, u, ty, ACT)
-    else:
-        y = acc.to(ty)
-    tl.store(out_ptr + r * stride_om + cols, y, mask=ok)
+    tl.store(out_ptr + r * stride_om + cols, _expert_out(acc, acc_up, alpha, limit, out_ptr.dtype.element_ty,
+                                                         GATED, ACT), mask=ok)
 
 
 def finish_split(parts: torch.Tensor, out: torch.Tensor, *, gated: bool, activation: str = "silu",
