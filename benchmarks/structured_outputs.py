@@ -93,8 +93,12 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(a.seed)
     vocab = engine.model_config.vocab_size
     prompts = [[rng.randint(10, min(200_000, vocab - 1)) for _ in range(a.input_len)] for _ in range(a.num_requests)]
-    warm = SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
-    run(engine, prompts[:2], warm, "warm")  # first-use costs (kernels, the mask path) out of the runs
+    # First-use costs (kernels, graphs at the full batch, the mask path) out of the timed runs: the full
+    # batch in each mode for a few tokens (with two requests only, round 0's unconstrained run on an H200
+    # took 17.6 ms a step against 3.2-3.7 in the rounds after it, 2026-11-29)
+    for so in (None, spec):
+        run(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=so is None, structured_outputs=so),
+            "warm" if so is None else "warm-schema")
     modes = [("unconstrained", None, None), ("json_schema", spec, None)]
     modes += [(f"json_schema t={t}", spec, int(t)) for t in a.fill_threads.split(",") if t]
     runs: dict[str, list[dict]] = {m[0]: [] for m in modes}

@@ -232,6 +232,31 @@ PY
                 --variants lut:0:4:0,lut:0:8:0,lut:32:4:0
             SWASERVE_MXFP4_MODE=lut run mx_lut_decode 120 python3 benchmarks/decode.py --shapes gpt-oss-20b \
                 --batch-sizes 1,16,64 --contexts 1024 --steps 32 --warmup 4 ;;
+        mx_lut_default)  # issue 39: MX_LUT as the MXFP4 default: the MoE alone vs dot_scaled from 1 to 4096 tokens,
+            # a tile / stage / split sweep at decode sizes, the real-shape tests, GPT-OSS parity with HF, graphs
+            # vs eager bit for bit in deterministic mode, the decode table and where bs 1's step goes
+            run lut_vs_scaled 120 python3 benchmarks/moe_kernel.py --model gpt-oss-20b --tokens 1,16,64,256,1024,4096 \
+                --variants scaled:0:4:0
+            run lut_sweep 150 python3 benchmarks/moe_kernel.py --model gpt-oss-20b --tokens 1,16,64 --variants \
+                lut:0:4:2,lut:0:4:3,lut:0:4:4,lut:0:4:5,lut:32:4:3,lut:128:4:3,lut:128:8:3,lut:0:8:3,lut:0:2:3,lut:0:4:3:2,lut:0:4:3:8,lut:0:4:3:16,lut:32:4:4:8,lut:64:4:4:1
+            run lut_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fused_moe_gpt_oss_gpu.py
+            run lut_parity 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpt_oss_vs_hf.py
+            run lut_lockstep 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_piecewise_gpu.py \
+                -k "gpt_oss and deterministic"
+            run lut_decode 120 python3 benchmarks/decode.py --shapes gpt-oss-20b --batch-sizes 1,16,64,256 \
+                --contexts 1024 --steps 32 --warmup 4
+            run lut_profile_bs1 120 python3 scripts/profile_step.py gpt-oss-20b 1 1024 ;;
+        mx_ncu)  # issue 39: Nsight Compute on the MXFP4 expert GEMMs at one token (gate/up, then down; the
+            # default mode): throughput, occupancy, warp stalls, instruction mix
+            ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
+            if [ -n "$ncu" ]; then
+                run mx_ncu 240 "$ncu" --target-processes all -k regex:_moe_gemm_kernel -c 2 --section SpeedOfLight \
+                    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+                    --section MemoryWorkloadAnalysis --section InstructionStats --section ComputeWorkloadAnalysis \
+                    python3 benchmarks/moe_kernel.py --model gpt-oss-20b --tokens 1 --calls 2
+            else
+                echo "mx_ncu: no ncu on this machine ($(ls -d /usr/local/cuda*/bin /opt/nvidia/* 2> /dev/null | tr '\n' ' '))"
+            fi ;;
         router_decode)  # issue 39: decode with the MoE-layer fusions off, then on (`router`)
             for v in 0 1; do
                 SWASERVE_FUSED_ROUTER=$v SWASERVE_FUSED_TAIL=$v run "router_decode_$v" 300 \

@@ -262,8 +262,12 @@ class Engine:
         self.stats.step_wait_seconds += time.perf_counter() - start
         nxt = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
         if step.constrained:  # the grammars first, in one call: the next step's masks depend on nothing else
-            live = [(r.grammar, t) for r, t in zip(step.reqs, tokens) if r.grammar is not None and not r.finished]
-            self.stats.grammar_rejected += accept_tokens([g for g, _ in live], [t for _, t in live])  # type: ignore[misc]
+            grammars, toks = [], []
+            for r, t in zip(step.reqs, tokens):
+                if r.grammar is not None and not r.finished:
+                    grammars.append(r.grammar)
+                    toks.append(t)
+            self.stats.grammar_rejected += accept_tokens(grammars, toks)
         if nxt is not None:
             # Overlap with constrained rows: the next step's model is running; its masks needed the tokens
             # just accepted. They fill on a worker thread from now until it samples (`_advance`), while
