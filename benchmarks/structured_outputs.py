@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fill-threads", default="",
                     help="comma list: the constrained run again with each most-threads setting (grammar_threads)")
+    ap.add_argument("--accept-in-loop", action="store_true",
+                    help="also run the constrained set with xgrammar's accept in the step loop (as before 2026-11-29), "
+                         "not on the mask worker")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads first (the host's intra-op pool beside the mask fill threads)")
     ap.add_argument("--repeat", type=int, default=3,
@@ -99,12 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     for so in (None, spec):
         run(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=so is None, structured_outputs=so),
             "warm" if so is None else "warm-schema")
-    modes = [("unconstrained", None, None), ("json_schema", spec, None)]
-    modes += [(f"json_schema t={t}", spec, int(t)) for t in a.fill_threads.split(",") if t]
+    modes = [("unconstrained", None, None, True), ("json_schema", spec, None, True)]
+    modes += [(f"json_schema t={t}", spec, int(t), True) for t in a.fill_threads.split(",") if t]
+    if a.accept_in_loop:
+        modes.append(("json_schema loop accept", spec, None, False))
     runs: dict[str, list[dict]] = {m[0]: [] for m in modes}
     for rep in range(a.repeat):  # the modes in turn, `--repeat` rounds: drift and first-run costs spread evenly
-        for name, so, threads in modes:
+        for name, so, threads, on_worker in modes:
             engine.launcher.grammar_threads = threads  # None: the default
+            engine.accept_on_worker = on_worker
             params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=so is None,
                                     structured_outputs=so)
             row = measured_run(engine, prompts, params, name, a.shape)

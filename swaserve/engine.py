@@ -17,12 +17,13 @@ from swaserve.config import split_engine_options
 from swaserve.detokenizer import IncrementalDetokenizer
 from swaserve.engine_setup import default_overlap, load_engine_model, release_engine, resolve_device_dtype
 from swaserve.engine_stats import EngineStats, engine_counters, kv_cache_dtypes, memory_stats
-from swaserve.grammar import GrammarCompiler, SequenceGrammar, accept_tokens
-from swaserve.launcher import LaunchedStep, StepLauncher
+from swaserve.grammar import GrammarCompiler, SequenceGrammar, accept_later, accept_tokens
+from swaserve.launched_step import LaunchedStep
+from swaserve.launcher import StepLauncher
 from swaserve.loader import LoadedModel
 from swaserve.model_config import ModelConfig
 from swaserve.request import RequestOutput, SamplingParams
-from swaserve.request_group import RequestGroup, SeqDelta, group_output, prompt_logprobs_of
+from swaserve.request_group import RequestGroup, SeqDelta, group_outputs, seq_deltas
 from swaserve.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -115,6 +116,8 @@ class Engine:
         self._release = weakref.finalize(self, release_engine, self.__dict__, self.device)
         self._groups: dict[str, RequestGroup] = {}
         self._inflight: LaunchedStep | None = None  # launched, results not yet processed (overlap)
+        # Overlap: xgrammar accepts constrained rows' tokens on the mask worker (`accept_later`); False: A/B runs
+        self.accept_on_worker = True
         self.last_step: tuple[str, int, int] | None = None  # (mode, requests, new tokens) of the last launch
 
     # -- requests ----------------------------------------------------------------------------
@@ -220,12 +223,14 @@ class Engine:
     def _advance(self) -> LaunchedStep | None:
         """Schedule and launch the next step; the launched step whose results are due now (with
         overlap the previous one, so the host schedules step N+1 while the device runs step N)."""
-        if self._inflight is not None and self._inflight.deferred is not None:
-            # Overlap with constrained rows: the step in flight samples first (its masks filled while the
-            # step before it committed, `_commit`), so the device samples while the next step is scheduled;
-            # the next model launch reads its tokens.
-            self.launcher.sample_deferred(self._inflight)
+        deferred = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
+        if deferred is not None and not self.accept_on_worker:
+            self.launcher.sample_deferred(deferred)
         batch = self.scheduler.schedule()
+        if deferred is not None and self.accept_on_worker:
+            # Overlap with constrained rows: the step in flight samples once the next step is scheduled (its
+            # masks fill on the worker meanwhile, `_commit`), before the next model launch reads its tokens.
+            self.launcher.sample_deferred(deferred)
         launched = self.launcher.launch(batch) if batch is not None else None
         self.last_step = (batch.kind, len(batch.reqs), batch.num_tokens) if batch is not None else None
         if self.overlap:
@@ -239,21 +244,7 @@ class Engine:
         done = self._advance()
         if done is None:
             return []
-        deltas = []
-        for r in self._commit(done):  # each advanced sequence gained r.last_appended tokens
-            lps = r.output_logprobs
-            n = r.last_appended
-            first = len(r.ids) - r.prompt_len == n
-            deltas.append(SeqDelta(r.group_id, r.index, r.ids[-n:], lps[-n:] if lps is not None else None,
-                                   r.finish_reason, (r.num_cached_tokens or 0) if first else None,
-                                   r.params.seed if first else None,
-                                   (r.spec_drafted, r.spec_accepted) if r.spec_drafted else None,
-                                   prompt_logprobs_of(r) if first else None))
-            if r.finish_reason is not None:
-                group = self._groups.get(r.group_id)
-                if group is not None and group.finished:
-                    del self._groups[r.group_id]
-        return deltas
+        return seq_deltas(self._commit(done), self._groups)
 
     def _commit(self, step: LaunchedStep) -> list[Req]:
         """Wait for a launched step and commit its tokens; the sequences it advanced."""
@@ -261,18 +252,18 @@ class Engine:
         tokens, logprobs = step.wait()
         self.stats.step_wait_seconds += time.perf_counter() - start
         nxt = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
-        if step.constrained:  # the grammars first, in one call: the next step's masks depend on nothing else
-            grammars, toks = [], []
-            for r, t in zip(step.reqs, tokens):
-                if r.grammar is not None and not r.finished:
-                    grammars.append(r.grammar)
-                    toks.append(t)
-            self.stats.grammar_rejected += accept_tokens(grammars, toks)
+        pending = None
+        if step.constrained:  # the grammars first: the next step's masks depend on nothing else
+            live = [(r.grammar, t) for r, t in zip(step.reqs, tokens) if r.grammar is not None and not r.finished]
+            grammars, toks = [g for g, _ in live], [t for _, t in live]  # type: ignore[misc]
+            if nxt is not None and self.accept_on_worker:
+                pending = accept_later(grammars, toks)
+            else:
+                self.stats.grammar_rejected += accept_tokens(grammars, toks)
         if nxt is not None:
-            # Overlap with constrained rows: the next step's model is running; its masks needed the tokens
-            # just accepted. They fill on a worker thread from now until it samples (`_advance`), while
-            # this step commits and the next one is scheduled.
-            self.launcher.start_masks(nxt)
+            # Overlap with constrained rows: the next step's model is running; a worker thread accepts the tokens
+            # (`pending`) and fills its masks until it samples (`_advance`), while this step commits.
+            self.launcher.start_masks(nxt, pending)
         if step.prompt is not None:  # before the tokens: a request's first delta carries its prompt logprobs
             step.prompt.record()
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)
@@ -287,21 +278,8 @@ class Engine:
     def _process(self, step: LaunchedStep, finished_only: bool = False) -> list[RequestOutput]:
         progressed = self._commit(step)
         if finished_only:
-            return self._outputs({r.group_id for r in progressed if r.finish_reason is not None}, True)
-        return self._outputs({r.group_id for r in progressed})
-
-    def _outputs(self, group_ids: set[str], finished_only: bool = False) -> list[RequestOutput]:
-        outs = []
-        for gid in sorted(group_ids):
-            group = self._groups.get(gid)
-            if group is None:
-                continue
-            finished = group.finished
-            if finished or not finished_only:
-                outs.append(group_output(gid, group, finished))
-            if finished:
-                del self._groups[gid]
-        return outs
+            return group_outputs({r.group_id for r in progressed if r.finish_reason is not None}, self._groups, True)
+        return group_outputs({r.group_id for r in progressed}, self._groups)
 
     def counters(self) -> dict[str, int]:
         """`memory_stats()` plus the token, retraction, prefix-cache, speculation and structured-output

@@ -37,7 +37,7 @@ def engine_counters(engine: Any) -> dict[str, int]:
             "grammar_mask_fill_ms_total": int(engine.launcher.mask_fill_seconds * 1000),
             "grammar_mask_wait_ms_total": int(engine.launcher.mask_wait_seconds * 1000),
             "grammar_masked_rows_total": engine.launcher.masked_rows,
-            "grammar_rejected_tokens_total": engine.stats.grammar_rejected,
+            "grammar_rejected_tokens_total": engine.stats.grammar_rejected + engine.launcher.grammar_rejected,
             "step_wait_ms_total": int(engine.stats.step_wait_seconds * 1000),
             **(engine.grammars.counters() if engine.grammars is not None
                else GrammarCompiler.idle_counters())}

@@ -1,20 +1,21 @@
 """StepLauncher: puts one scheduled step on the device without waiting for it (model, sampling, the
 last-token table, an asynchronous copy of the sampled tokens to the host); `LaunchedStep.wait()`
 collects the result. With one step in flight the host schedules the next while the device works.
-Above both the scheduler (whose batches it launches) and the runner (which it drives)."""
+Above both the scheduler (whose batches it launches) and the runner (which it drives). A step in flight
+is a `launched_step.LaunchedStep`."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swaserve.grammar import MaskJob, MaskRows, TokenMasks, start_fill
+from swaserve.grammar import MaskJob, MaskRows, PendingAccept, TokenMasks, start_fill
 from swaserve.h2d import to_device
+from swaserve.launched_step import LaunchedStep, SamplePlan
 from swaserve.prompt_scores import PromptScores, plan_prompt
 from swaserve.runner.sampler import Sampler, SamplerOutput
 from swaserve.runner.sampling_batch import SamplingBatch, distinct_params, is_plain_greedy
@@ -25,52 +26,6 @@ if TYPE_CHECKING:
     from swaserve.runner.model_runner import ModelRunner
     from swaserve.scheduler.batch import ScheduleBatch
     from swaserve.scheduler.req import Req
-
-
-@dataclass
-class SamplePlan:
-    """What sampling a step's rows needs from the host, taken when the step's inputs are all known (for a
-    deferred step: once the step before it committed, before the next one is scheduled); `masks` may
-    still be filling."""
-
-    params: list
-    greedy: bool  # every row plain greedy
-    sb: SamplingBatch | None  # None where greedy
-    masks: MaskJob | None  # None: no row has a live grammar
-
-
-@dataclass
-class LaunchedStep:
-    """A step on its way through the device. `reqs` are the requests that sample, in the order of
-    `batch.sample_indices()`; `out` holds host tensors that are valid once `ready` has fired.
-    `deferred`: the model ran but sampling waits (hidden states, request rows) until the host has seen
-    the tokens a constrained row's mask depends on (`StepLauncher.sample_deferred`); `masks`: their fill,
-    started as soon as those tokens were accepted (`StepLauncher.start_masks`); `plan`: its sampling
-    prepared since (`StepLauncher.prepare_deferred`). `constrained`: some row samples under a grammar."""
-
-    batch: ScheduleBatch
-    reqs: list[Req]
-    asked: list[int | None] | None  # each sampling row's `logprobs` setting; None: no row asked
-    out: SamplerOutput | None  # on the host (pinned on CUDA); None when no row samples
-    ready: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
-    prompt: PromptScores | None = None  # prompt logprobs scored in this step (record after `wait`)
-    deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, hidden], [n] int64 rows), device
-    plan: SamplePlan | None = None
-    head_greedy: bool | None = None  # the LM-head path sampling was announced to take (`StepLauncher.head_greedy`)
-    constrained: bool = False
-    masks: MaskJob | None = None
-
-    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
-        """Block until the step is done; its sampled tokens and, if any row asked, logprobs."""
-        assert self.deferred is None, "a deferred step samples (StepLauncher.sample_deferred) before wait()"
-        if self.ready is not None:
-            self.ready.synchronize()
-        if self.out is None:
-            return [], None
-        tokens = self.out.next_token_ids.tolist()
-        if self.asked is None:
-            return tokens, None
-        return tokens, self.out.logprob_dicts(self.asked)
 
 
 class StepLauncher:
@@ -96,6 +51,7 @@ class StepLauncher:
         self.mask_fill_seconds = 0.0  # host time filling structured outputs' token masks (a worker's, mostly)
         self.mask_wait_seconds = 0.0  # time the step loop waited for masks to be filled
         self.masked_rows = 0  # rows sampled under a grammar's mask
+        self.grammar_rejected = 0  # tokens refused by accepts the mask worker made (`PendingAccept`)
         self._mask_rows: MaskRows | None = None  # the host buffer masks are filled into (made on first use)
         self.grammar_threads: int | None = None  # most xgrammar threads per fill (None: `fill_threads`' default)
 
@@ -136,13 +92,17 @@ class StepLauncher:
             self.sample_deferred(step)
         return step
 
-    def start_masks(self, step: LaunchedStep) -> None:
+    def start_masks(self, step: LaunchedStep, accept: PendingAccept | None = None) -> None:
         """A deferred step's grammars have accepted the tokens before it (the rest of that step is not yet
-        committed): start filling its masks on the worker thread, while the step loop commits, schedules
-        the next step and the device runs this step's model. A row that ends with the step committing
-        gets a mask it will not need; a row whose grammar ended gets none."""
+        committed), or taken them as accepted (`accept`: the worker makes xgrammar's call first): start
+        filling its masks on the worker thread, while the step loop commits, schedules the next step and
+        the device runs this step's model. A row that ends with the step committing gets a mask it will
+        not need; a row whose grammar ended gets none."""
         assert step.deferred is not None and step.masks is None
-        step.masks = self._start_masks(step.reqs, background=True)
+        step.masks = self._start_masks(step.reqs, background=True, accept=accept)
+        if step.masks is None and accept is not None:  # no row left to fill: the accept alone, here
+            accept.run()
+            self.grammar_rejected += accept.rejected
 
     def prepare_deferred(self, step: LaunchedStep) -> None:
         """A deferred step's tokens before it are all committed: take what its sampling needs from the
@@ -227,13 +187,13 @@ class StepLauncher:
         greedy = is_plain_greedy(distinct)
         return SamplePlan(params, greedy, None if greedy else self._sampling_batch(reqs, params, distinct, rows), masks)
 
-    def _start_masks(self, reqs: list[Req], background: bool) -> MaskJob | None:
+    def _start_masks(self, reqs: list[Req], background: bool, accept: PendingAccept | None = None) -> MaskJob | None:
         if not any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
             return None
         if self._mask_rows is None:
             self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
         return start_fill([None if r.finished else r.grammar for r in reqs], self.vocab_size, self._mask_rows,
-                          background, self.grammar_threads)
+                          background, self.grammar_threads, accept)
 
     def _finish(self, hidden: torch.Tensor, plan: SamplePlan,
                 head_greedy: bool | None = None) -> tuple[SamplerOutput, list | None]:
@@ -247,6 +207,7 @@ class StepLauncher:
             self.mask_wait_seconds += time.perf_counter() - start
             self.mask_fill_seconds += plan.masks.fill_seconds
             self.masked_rows += len(masks.rows)
+            self.grammar_rejected += plan.masks.rejected
         fast = head_greedy if head_greedy is not None else self.lead is None
         if plan.greedy and fast:  # the common case: no logits, no per-row host work (masked rows too)
             tokens = (self.runner.greedy_tokens(hidden) if masks is None

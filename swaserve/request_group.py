@@ -70,3 +70,41 @@ def group_output(gid: str, group: RequestGroup, finished: bool) -> RequestOutput
                          spec_accepted_tokens=sum(r.spec_accepted for r in group.reqs),
                          prompt_logprobs=None if scored is None else [None, *scored[0]],
                          prompt_logprob_ranks=None if scored is None else [None, *scored[1]])
+
+
+def group_outputs(group_ids: set[str], groups: dict[str, RequestGroup],
+                  finished_only: bool = False) -> list[RequestOutput]:
+    """The `RequestOutput`s of `group_ids` (only the finished ones with `finished_only`), in id order;
+    finished groups leave `groups`."""
+    outs = []
+    for gid in sorted(group_ids):
+        group = groups.get(gid)
+        if group is None:
+            continue
+        finished = group.finished
+        if finished or not finished_only:
+            outs.append(group_output(gid, group, finished))
+        if finished:
+            del groups[gid]
+    return outs
+
+
+def seq_deltas(progressed: list[Req], groups: dict[str, RequestGroup]) -> list[SeqDelta]:
+    """What a step added to each sequence it advanced (`r.last_appended` tokens, and their logprobs), O(1)
+    each; the first delta of a sequence also carries its cached-prefix count, seed and prompt logprobs.
+    Groups whose last sequence finished leave `groups`."""
+    deltas = []
+    for r in progressed:
+        lps = r.output_logprobs
+        n = r.last_appended
+        first = len(r.ids) - r.prompt_len == n
+        deltas.append(SeqDelta(r.group_id, r.index, r.ids[-n:], lps[-n:] if lps is not None else None,
+                               r.finish_reason, (r.num_cached_tokens or 0) if first else None,
+                               r.params.seed if first else None,
+                               (r.spec_drafted, r.spec_accepted) if r.spec_drafted else None,
+                               prompt_logprobs_of(r) if first else None))
+        if r.finish_reason is not None:
+            group = groups.get(r.group_id)
+            if group is not None and group.finished:
+                del groups[r.group_id]
+    return deltas

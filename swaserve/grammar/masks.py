@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from swaserve.grammar.matcher import SequenceGrammar
+from swaserve.grammar.matcher import PendingAccept, SequenceGrammar
 from swaserve.h2d import to_device
 
 # Rows per xgrammar thread at least. At 256 constrained rows of the 1B shape, stepped as the server's engine
@@ -116,25 +117,34 @@ class TokenMasks:
 
 
 class MaskJob:
-    """One fill, on the worker thread or done inline. `result()` waits for it; `fill_seconds` is the time
-    xgrammar took (on whichever thread ran it)."""
+    """One fill, on the worker thread or done inline, after the accept of the tokens it depends on when
+    given one (`accept`, a `PendingAccept`). `result()` waits for it; `fill_seconds` is the time xgrammar
+    took (on whichever thread ran it), the accept included; `rejected` the tokens that accept refused."""
 
-    __slots__ = ("done", "error", "fill_seconds", "masks", "matchers", "started", "threads")
+    __slots__ = ("accept", "done", "error", "fill_seconds", "masks", "matchers", "started", "threads")
 
-    def __init__(self, matchers: list[Any], masks: TokenMasks, threads: int | None = None):
+    def __init__(self, matchers: list[Any], masks: TokenMasks, threads: int | None = None,
+                 accept: PendingAccept | None = None):
         self.matchers = matchers
         self.threads = threads
         self.masks = masks
+        self.accept = accept
         self.started = threading.Event()
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.fill_seconds = 0.0
+
+    @property
+    def rejected(self) -> int:
+        return self.accept.rejected if self.accept is not None else 0
 
     def run(self) -> None:
         try:
             batch = _batch(fill_threads(len(self.matchers), self.threads))
             self.started.set()  # the submitter goes on once this thread is inside xgrammar (GIL released)
             t0 = time.perf_counter()
+            if self.accept is not None:
+                self.accept.run()
             batch.batch_fill_next_token_bitmask(self.matchers, self.masks.masks)
             self.fill_seconds = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 (handed to whoever waits for the result)
@@ -168,14 +178,23 @@ _WORKER: _Worker | None = None
 _WORKER_LOCK = threading.Lock()
 
 
+# Python's GIL switch interval once a worker's job accepts tokens before its fill: between the two xgrammar
+# calls the worker needs the GIL for a moment, and at the default 5 ms it would wait that long for the
+# step loop, which runs Python all the while, to be made to let go of it.
+_SWITCH_INTERVAL = 2e-4
+
+
 def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out: MaskRows | None = None,
-               background: bool = False, threads: int | None = None) -> MaskJob | None:
+               background: bool = False, threads: int | None = None,
+               accept: PendingAccept | None = None) -> MaskJob | None:
     """Fill the masks of `grammars`' live rows (None, or a terminated grammar: a sequence that ended while
     its next step was already launched, samples unconstrained); None when no row has a live grammar.
     `background`: on the worker thread, returning as soon as it has entered xgrammar, which runs without
     the GIL, so the step loop's Python goes on beside it (a thread merely queued would wait for the GIL
     until the loop next released it). `threads`: at most this many xgrammar threads (`fill_threads`).
-    The grammars must not advance until `result()` returned."""
+    `accept`: the tokens the grammars took as accepted (`accept_later`), accepted first by the same job.
+    The grammars must not advance until `result()` returned. None when no row is live: `accept`, if any,
+    is then the caller's to run."""
     live = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
     if not live:
         return None
@@ -184,10 +203,12 @@ def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out:
         out = MaskRows(words)
     assert out.words == words, (out.words, words)
     job = MaskJob([grammars[i].matcher for i in live],  # type: ignore[union-attr]
-                  TokenMasks(out.rows(len(live)), live, len(grammars)), threads)
+                  TokenMasks(out.rows(len(live)), live, len(grammars)), threads, accept)
     if not background:
         job.run()
         return job
+    if accept is not None and sys.getswitchinterval() > _SWITCH_INTERVAL:
+        sys.setswitchinterval(_SWITCH_INTERVAL)
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None or _WORKER.pid != os.getpid():

@@ -75,6 +75,45 @@ def accept_tokens(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) ->
     return sum(not ok for ok in oks)
 
 
+class PendingAccept:
+    """A step's tokens its live grammars took as accepted (`accept_later`) before xgrammar has seen them:
+    `run()` makes the one xgrammar call, on the mask worker, right before it fills the next step's masks
+    from the states it leaves (`masks.MaskJob`). Until then the matchers lag the sequences by this token;
+    nothing reads them meanwhile (the step loop's next read is that fill's result). `rejected`: tokens
+    refused (0 unless one was sampled past its row's mask)."""
+
+    __slots__ = ("grammars", "rejected", "tokens")
+
+    def __init__(self, grammars: list[SequenceGrammar], tokens: list[int]):
+        self.grammars = grammars
+        self.tokens = tokens
+        self.rejected = 0
+
+    def run(self) -> None:
+        oks = _batch_accept(self.grammars, self.tokens)
+        if oks is None:
+            return
+        for g, ok in zip(self.grammars, oks):
+            if not ok:  # (`terminated` stays as `accept_later` set it: the loop may have read it already)
+                g.rejected += 1
+                self.rejected += 1
+
+
+def accept_later(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) -> PendingAccept | None:
+    """`accept_tokens` without the xgrammar call, which the returned `PendingAccept` makes later (None: no
+    grammar was live): each live grammar counts its token as accepted now, terminated if it is one of its
+    stop tokens (what xgrammar says of a token drawn under the row's mask), so the step loop can go on
+    committing the step while a worker thread makes the call (~1-3 us a row, the GIL released)."""
+    live, toks = [], []
+    for g, t in zip(grammars, tokens):
+        g.ahead += 1
+        if not g.terminated:
+            live.append(g)
+            toks.append(t)
+            g.terminated = t in g.stops
+    return PendingAccept(live, toks) if live else None
+
+
 def _batch_accept(grammars: list[SequenceGrammar], tokens: list[int]) -> Sequence[bool] | None:
     """xgrammar's batch accept; None when it accepted every token. Its public wrapper converts the result
     row by row through the FFI (a third of the call at 256 rows, ~0.6 us a row); the core's array (of ints

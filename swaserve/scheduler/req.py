@@ -118,9 +118,13 @@ class Req:
                 self.output_logprobs = []
             self.output_logprobs.append(logprobs)
         p = self.params
-        if self.grammar is not None:
-            self.grammar.appended(token)
-            if self.grammar.terminated:  # the grammar accepted a stop token: the output is complete
+        g = self.grammar
+        if g is not None:
+            if g.ahead:  # `SequenceGrammar.appended` inlined (a call a row a step is ~15 us at 256 rows)
+                g.ahead -= 1
+            else:
+                g.accept(token)
+            if g.terminated:  # the grammar accepted a stop token: the output is complete
                 self.finish_reason = "stop"
                 return
         if (not p.ignore_eos and token in self.eos_ids) or (p.stop_token_ids and token in p.stop_token_ids):

@@ -99,12 +99,14 @@ def test_same_tokens_with_overlap_and_in_deterministic_mode(llm):
             assert [c.token_ids for c in other[rid].outputs] == [c.token_ids for c in out.outputs], (rid, options)
 
 
-def test_overlap_fills_masks_on_the_worker_beside_the_commit(llm, monkeypatch):
-    """Overlap: a deferred step's masks start filling on the worker thread as soon as the grammars have
-    accepted the tokens of the step before it, while that step commits (its sampling inputs taken after
-    it); the step then samples before the next batch is scheduled (the device samples while the host
-    schedules) and launched. Greedy, seeded and penalised constrained rows beside a free one still get
-    the plain engine's tokens."""
+@pytest.mark.parametrize("on_worker", [True, False], ids=["accept_on_worker", "accept_in_loop"])
+def test_overlap_fills_masks_on_the_worker_beside_the_commit(llm, monkeypatch, on_worker):
+    """Overlap: a deferred step's masks start filling on the worker thread once the tokens of the step
+    before it are accepted (by xgrammar on that worker, right before the fill, by default; or in the step
+    loop), while that step commits (its sampling inputs taken after it); the step then samples once the next
+    batch is scheduled (accept in the loop: before, so the device samples while the host schedules), before
+    that batch launches. Greedy, seeded and penalised constrained rows beside a free one still get the plain
+    engine's tokens, and no token is refused."""
     from swaserve.grammar.masks import MaskJob
 
     work = short_workload() + [("regex-pen", "Email:", SamplingParams(
@@ -112,8 +114,10 @@ def test_overlap_fills_masks_on_the_worker_beside_the_commit(llm, monkeypatch):
         structured_outputs={"regex": r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)"}))]
     plain = run_all(twin_engine(llm, False), work)
     e = twin_engine(llm, True)
+    e.accept_on_worker = on_worker
     events: list[str] = []
     threads: set[str] = set()
+    accepts: list[bool] = []
 
     def spy(name, real):
         return lambda *a, **k: events.append(name) or real(*a, **k)
@@ -126,16 +130,20 @@ def test_overlap_fills_masks_on_the_worker_beside_the_commit(llm, monkeypatch):
     monkeypatch.setattr(e.launcher, "sample_deferred",
                         lambda step: events.append("sample" if step.plan is not None else "now") or sample(step))
     run = MaskJob.run
-    monkeypatch.setattr(MaskJob, "run", lambda job: threads.add(threading.current_thread().name) or run(job))
+    monkeypatch.setattr(MaskJob, "run", lambda job: threads.add(threading.current_thread().name)
+                        or accepts.append(job.accept is not None) or run(job))
     got = run_all(e, work)
     for rid, out in plain.items():
         assert [c.token_ids for c in got[rid].outputs] == [c.token_ids for c in out.outputs], rid
     assert "swaserve-grammar-masks" in threads
     deferred = [i for i, ev in enumerate(events) if ev == "masks"]
     assert len(deferred) > 3 and events.count("sample") == events.count("prepare") == len(deferred)
-    assert all(events[i : i + 5] == ["masks", "commit", "prepare", "sample", "schedule"] for i in deferred), events
+    order = ["schedule", "sample"] if on_worker else ["sample", "schedule"]
+    assert all(events[i : i + 5] == ["masks", "commit", "prepare", *order] for i in deferred), events
+    assert any(accepts) == on_worker  # (the first steps' masks fill inline, with no accept before them)
     counters = e.counters()
     assert counters["grammar_masked_rows_total"] > 0 and counters["grammar_mask_wait_ms_total"] >= 0
+    assert counters["grammar_rejected_tokens_total"] == 0
 
 
 # -- with the other request options (logit_bias, prompt logprobs, speculative decoding) ------------------

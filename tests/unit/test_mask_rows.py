@@ -12,7 +12,7 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from swaserve.grammar.masks import MaskRows, fill_threads, fill_token_masks, start_fill
-from swaserve.grammar.matcher import SequenceGrammar, accept_tokens
+from swaserve.grammar.matcher import SequenceGrammar, accept_later, accept_tokens
 from swaserve.runner.token_mask import allowed_tokens
 
 VOCAB = ["<eos>", "a", "b", "ab", "ba", "c", "x", "y"] + [f"t{i}" for i in range(40)]  # 48 tokens: 2 words
@@ -92,6 +92,48 @@ def test_accept_tokens_at_once_equals_one_at_a_time(compiled):
             assert a is not None and b is not None and torch.equal(a.masks, b.masks)
     assert any(g.terminated for g in one) and any(g.rejected for g in one)
     assert accept_tokens([], []) == 0  # nothing to do
+
+
+def test_accept_later_on_the_worker_equals_accepting_now(compiled):
+    """`accept_later` (the step loop's bookkeeping) and the worker's job (xgrammar's accept, then the fill)
+    leave every grammar where `accept_tokens` does, and fill the masks of the same states, for token streams
+    drawn under each row's mask (what sampling gives): at once the flags the loop reads (terminated on a
+    stop token), after the job the same next masks; no token refused."""
+    import random
+
+    rnd = random.Random(1)
+    now = [SequenceGrammar(compiled, [0]) for _ in range(12)]
+    later = [SequenceGrammar(compiled, [0]) for _ in range(12)]
+    words = (len(VOCAB) + 31) // 32
+    rows = MaskRows(words)
+    for _ in range(10):
+        live = [i for i, g in enumerate(now) if not g.terminated]
+        if not live:
+            break
+        masks = fill_token_masks([now[i] for i in live], len(VOCAB))
+        assert masks is not None
+        toks = [0] * len(now)
+        for j, i in enumerate(live):  # a token each live row's mask allows
+            toks[i] = rnd.choice(sorted(allowed(masks.masks, j)))
+        assert accept_tokens(now, toks) == 0
+        pending = accept_later(later, toks)
+        assert pending is not None and len(pending.grammars) == len(live)
+        assert [g.terminated for g in later] == [g.terminated for g in now]  # known before xgrammar's call
+        job = start_fill(later, len(VOCAB), rows, background=True, accept=pending)
+        expect = fill_token_masks(now, len(VOCAB))
+        if job is None:  # every row ended: the accept is the caller's
+            pending.run()
+            assert expect is None
+        else:
+            got = job.result()
+            assert expect is not None and got.rows == expect.rows and torch.equal(got.masks, expect.masks)
+        assert pending.rejected == 0 and all(g.rejected == 0 for g in later)
+        for g, h, t in zip(later, now, toks):
+            g.appended(t)
+            h.appended(t)
+        assert [g.matcher.is_terminated() for g in later] == [g.matcher.is_terminated() for g in now]
+    assert any(g.terminated for g in now)
+    assert accept_later([], []) is None
 
 
 def test_upload_copies_the_rows_handed_out(compiled):
