@@ -17,7 +17,7 @@ from swaserve.runner.forward_batch import ForwardMode
 from swaserve.scheduler.batch import ScheduleBatch
 from swaserve.scheduler.prefix import PrefixSharing
 from swaserve.scheduler.req import Req, ReqStatus
-from swaserve.scheduler.slots import SlotAllocator, SlotBudget
+from swaserve.scheduler.slots import SlotAllocator, SlotBudget, check_fits
 
 
 class Speculator(Protocol):
@@ -90,18 +90,7 @@ class Scheduler:
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Raise ValueError for a request that could never run, instead of letting it wait forever."""
-        if prompt_len < 1:
-            raise ValueError("the prompt is empty")
-        if prompt_len + max_tokens > self.max_context:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
-                f"exceeds the maximum context of {self.max_context} tokens"
-            )
-        full_size = getattr(self.allocator, "full", self.allocator).size
-        if prompt_len + max_tokens > full_size:
-            raise ValueError(
-                f"prompt + max_tokens = {prompt_len + max_tokens} tokens exceeds the KV pool of {full_size} tokens"
-            )
+        check_fits(prompt_len, max_tokens, self.max_context, getattr(self.allocator, "full", self.allocator).size)
 
     def add(self, req: Req) -> None:
         self.check_fits(req.prompt_len, req.params.max_tokens)

@@ -69,3 +69,16 @@ class SlotBudget:
             new = self.evictor.evict_many(items)  # type: ignore[arg-type]
             for r, evicted in zip(ready, new):
                 r.swa_evicted = evicted
+
+
+def check_fits(prompt_len: int, max_tokens: int, max_context: int, pool_tokens: int) -> None:
+    """ValueError for a request that could never run (an empty prompt, or more tokens than the context or
+    the full-attention pool holds), instead of letting it wait forever."""
+    if prompt_len < 1:
+        raise ValueError("the prompt is empty")
+    total = prompt_len + max_tokens
+    if total > max_context:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
+                         f"exceeds the maximum context of {max_context} tokens")
+    if total > pool_tokens:
+        raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV pool of {pool_tokens} tokens")
