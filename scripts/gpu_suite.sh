@@ -257,6 +257,11 @@ PY
             else
                 echo "mx_ncu: no ncu on this machine ($(ls -d /usr/local/cuda*/bin /opt/nvidia/* 2> /dev/null | tr '\n' ' '))"
             fi ;;
+        decode_all)  # issue 39: the decode table of the four shapes in one call (bs 1 / 16 / 64, ctx 1k), then where
+            # the Gemma-4-26B-A4B bs-1 step goes
+            run decode_all 330 python3 benchmarks/decode.py --shapes 1b,4b,gemma4-26b-a4b,gpt-oss-20b \
+                --batch-sizes 1,16,64 --contexts 1024 --steps 32 --warmup 4
+            run profile_g4_bs1 120 python3 scripts/profile_step.py gemma4-26b-a4b 1 1024 ;;
         router_decode)  # issue 39: decode with the MoE-layer fusions off, then on (`router`)
             for v in 0 1; do
                 SWASERVE_FUSED_ROUTER=$v SWASERVE_FUSED_TAIL=$v run "router_decode_$v" 300 \
