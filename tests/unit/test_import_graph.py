@@ -39,8 +39,8 @@ PLANES: list[tuple[str, tuple[str, ...]]] = [
     ("scheduler", ("scheduler/",)),
     # one step on every rank: assembling (and sizing) a runtime, launching a scheduled step, other TP ranks
     # (grammar/: structured outputs' compiled grammars and per-sequence matchers, which the launcher masks with)
-    ("step", ("runtime.py", "sizing.py", "engine_setup.py", "launcher.py", "prompt_scores.py", "distributed/",
-              "grammar/")),
+    ("step", ("runtime.py", "sizing.py", "engine_setup.py", "launcher.py", "launched_step.py", "prompt_scores.py",
+              "distributed/", "grammar/")),
     # drafters and the verify step: they plug into the scheduler and the launcher
     ("speculative", ("speculative/",)),
     ("engine", ("engine.py", "engine_stats.py", "admission.py", "request_group.py")),
