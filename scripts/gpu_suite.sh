@@ -16,7 +16,9 @@
 # (verify CUDA graphs vs eager) and spec_1b / spec_4b (benchmarks/speculative.py); overlap (overlap vs sync
 # engines), overlap_eagle (the same and EAGLE-3 heads); for issue 22: pw_graphs
 # (piecewise graphs vs eager, tiny families), whole / svo_whole (issue 39: whole extend graphs, tests, step times,
-# the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router / router_graphs / router_decode: the MoE-layer fusions, tests and parity / graphs vs eager / decode off and on), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
+# the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router / router_graphs / router_decode: the MoE-layer fusions, tests and parity / graphs vs eager / decode off and on;
+# mx_split / mx_lut / mx_lut_default / mx_ncu: MXFP4 experts split over K, converted by table lookups (tests, sweeps,
+# parity, decode; Nsight Compute at one token); decode_all: the 1B / 4B / 26B-A4B / GPT-OSS-20B decode table in one call), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
 # outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
