@@ -30,13 +30,13 @@ FP8_BLOCK = 128  # inputs (and rows) per block-FP8 weight scale
 # to MX_FLOAT), whose Hopper lowering upcasts e2m1 in the MMA operand's own register layout.
 MX_BITS, MX_FLOAT, MX_GROUP, MX_SCALED, MX_LUT = 0, 1, 2, 3, 4
 # MX_LUT (bf16 activations; the default): each register of four code bytes converted by table lookups
-# (`moe_dequant.MX_LUT_PTX`, ~2.7 instructions a weight with its scale) into two bf16 tiles whose inputs
-# interleave in fours, matched by the activations' load order. On one H200 (gpt-oss-20b experts) it took
-# 53.0 / 272 / 393 / 530 us at 1 / 16 / 64 / 256 tokens against dot_scaled's 70.0 / 407 / 457 / 611
-# (benchmarks/results/h200_mx_lut_2026-11-29.log).
-# dot_scaled measured fastest on one H100 at every size, gpt-oss-20b and -120b experts: 1.4x MX_FLOAT at
-# 1 token, 2.0-2.8x at 16-256 (benchmarks/results/h100_gpt_oss_moe_sweep_scaled_{20b,120b}.log; before it,
-# MX_FLOAT was 1.27-1.36x the bit patterns: h100_gpt_oss_moe_sweep_20b.log).
+# (`moe_dequant.MX_LUT_PTX`, ~22 PTX instructions for eight weights with their scale; the compiled loop
+# issues ~5.9 SASS instructions a weight in all) into two bf16 tiles whose inputs interleave in fours,
+# matched by the activations' load order. On one H200 (gpt-oss-20b experts) it took 50.7 / 270 / 390 /
+# 523 us at 1 / 16 / 64 / 256 tokens against dot_scaled's 71.2 / 402 / 454 / 602
+# (benchmarks/results/h200_mx_lut_2026-11-29.log). Before it, dot_scaled measured fastest on one H100 at
+# every size, gpt-oss-20b and -120b experts: 1.4x MX_FLOAT at 1 token, 2.0-2.8x at 16-256
+# (h100_gpt_oss_moe_sweep_scaled_{20b,120b}.log; MX_FLOAT was 1.27-1.36x the bit patterns before that).
 MX_MODES = {"bits": MX_BITS, "float": MX_FLOAT, "group": MX_GROUP, "scaled": MX_SCALED, "lut": MX_LUT}
 
 
