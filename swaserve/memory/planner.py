@@ -57,8 +57,10 @@ class MemoryPlan:
 
         Full pool: n * context <= full_tokens. SWA pool: a request holds at most `context` slots,
         and right after out-of-window freeing at most K = `swa_kept_per_request`; one step adds at
-        most max(step budget, one decode token per request) before the next freeing, so n requests
-        fit if min(n * context, n * K + max(step_tokens, n)) <= swa_tokens."""
+        most max(step budget, one decode token per request) before the next freeing, and a prompt is
+        admitted only with a slot left for each running request's next decode token (up to n - 1 beyond
+        the K each keeps), so n requests fit if
+        min(n * context, n * K + max(step_tokens, n) + max(0, n - 1 - K)) <= swa_tokens."""
         if context <= 0:
             raise ValueError("context must be positive")
         n = self.full_tokens // context
@@ -67,14 +69,21 @@ class MemoryPlan:
         return n
 
     def _swa_fit(self, context: int) -> int:
-        """The largest n with min(n * context, n * K + max(step, n)) <= swa_tokens (the left side
-        grows with n: the largest n of either bound)."""
+        """The largest n with min(n * context, n * K + max(step, n) + max(0, n - 1 - K)) <= swa_tokens. The
+        last term is the scheduler's admission reserve: a prompt starts only if the SWA pool also leaves a
+        slot for each running request's next decode token (`Scheduler._schedule_extend`), up to n - 1 of
+        them beside the K each keeps, which out-of-window freeing hands back first only where K covers them
+        (windows of a few tokens, or more requests than K). Both sides grow with n: a binary search."""
         swa, step, kept = self.swa_tokens, self.step_tokens, min(context, self.swa_kept_per_request)
-        fit = swa // context  # each request holding every token it has
-        if swa >= step:  # n <= step: n * K + step <= swa
-            fit = max(fit, step if kept == 0 else min(step, (swa - step) // kept))
-        above = swa // (kept + 1)  # n > step: n * (K + 1) <= swa
-        return max(fit, above) if above > step else fit
+
+        def fits(n: int) -> bool:
+            return min(n * context, n * kept + max(step, n) + max(0, n - 1 - kept)) <= swa
+
+        lo, hi = 0, swa  # fits(0); every request needs a slot, so n <= swa
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     def describe(self) -> str:
         """One line: each pool's tokens, K/V shape and bytes per token, and the total."""
