@@ -12,6 +12,7 @@ machine's cores.
 
     python benchmarks/host_step.py [--requests 256] [--finished-only] [--steps 150] [--rounds 7]
     python benchmarks/host_step.py --schema [--profile]   # constrained vs not, overlap on
+    python benchmarks/host_step.py [--schema] --phases    # the step loop's time by part (step_phases.py)
     python benchmarks/host_step.py --smoke     # tiny run (CI)
 """
 
@@ -60,16 +61,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-prompt", type=int, default=1024, help="prompt lengths uniform in 100..this")
     ap.add_argument("--schema", action="store_true", help="constrained (a JSON schema) against unconstrained")
     ap.add_argument("--profile", action="store_true", help="--schema: each mode once more under cProfile")
+    ap.add_argument("--phases", action="store_true",
+                    help="time each part of the step loop (wall and the loop thread's CPU, step_phases.py)")
     a = parse_args(ap, argv, smoke=dict(requests=8, steps=3, rounds=2, max_prompt=160))
     if a.schema:
         rows = [host_step(a, schema) for schema in (False, True)]
         print(f"host step, {a.requests} running requests, overlap on (medians of {a.rounds} rounds of {a.steps} "
               f"steps): unconstrained {rows[0]['median_ms']:.3f} ms, JSON schema {rows[1]['median_ms']:.3f} ms, of "
               f"which not waiting for masks {rows[1]['loop_own_median_ms']:.3f} ms")
+        if a.phases:
+            from step_phases import phase_table
+
+            print(phase_table({("JSON schema" if r["schema"] else "unconstrained"): r["phases"] for r in rows}))
         return
     row = host_step(a, False)
     print(f"host step, {a.requests} running requests, finished_only={a.finished_only}: "
           f"median {row['median_ms']:.3f} ms, min {row['min_ms']:.3f} ms ({a.rounds} rounds of {a.steps} steps)")
+    if a.phases:
+        from step_phases import phase_table
+
+        print(phase_table({"step": row["phases"]}))
 
 
 SCRIPT = [14937, 1005, 1083, 623]  # '{"text": "' in the embedded tokenizer
@@ -115,6 +126,12 @@ def host_step(a: argparse.Namespace, schema: bool) -> dict:
         engine.step()
     for _ in range(5):
         step()
+    timer = None
+    if a.phases:
+        from step_phases import PhaseTimer
+
+        timer = PhaseTimer(engine)
+        step = engine.step_deltas if a.schema else lambda: engine.step(finished_only=a.finished_only)  # (wrapped)
     times, waits = [], []
     for _ in range(a.rounds):
         w0 = engine.launcher.mask_wait_seconds
@@ -123,6 +140,9 @@ def host_step(a: argparse.Namespace, schema: bool) -> dict:
             step()
         times.append((time.perf_counter() - t) / a.steps * 1e3)
         waits.append((engine.launcher.mask_wait_seconds - w0) / a.steps * 1e3)
+    phases = timer.take(a.steps * a.rounds) if timer is not None else None
+    if timer is not None:
+        timer.close()
     if a.profile:
         import cProfile
         import pstats
@@ -143,6 +163,8 @@ def host_step(a: argparse.Namespace, schema: bool) -> dict:
                median_ms=round(times[len(times) // 2], 3), min_ms=round(times[0], 3),
                loop_own_median_ms=round(own[len(own) // 2], 3),
                masked_rows=counters["grammar_masked_rows_total"])
+    if phases is not None:
+        row["phases"] = phases
     print(json.dumps(row), flush=True)
     engine.close()
     return row

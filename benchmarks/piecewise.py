@@ -4,7 +4,8 @@ prefill chunk). Per step: time off/on (CUDA events around the whole step, host w
 launch overhead is what the pieces remove) and whether the final hidden states of every token are
 bit-identical between the two paths. With --profile, where a piecewise mixed step's time goes: host
 time of the step's launch path (eager attention between the pieces, graph replays) against its wall
-time and the GPU kernel time inside it.
+time and the GPU kernel time inside it; with --profile --whole, each step through whole extend graphs:
+its wall time, GPU kernel time and largest kernels.
 
     python benchmarks/piecewise.py [--shape 1b] [--kv-mb 16384] [--deterministic] [--profile] [--whole]
     python benchmarks/piecewise.py --smoke     # tiny CPU run (CI): the pieces run eagerly (no CUDA graphs)
@@ -125,6 +126,24 @@ def profile_step(steps: Steps, parts, pw, repeats: int) -> dict:
                                                                         if s >= sum(p[3] for p in parts))]))
 
 
+def profile_whole(steps: Steps, parts, whole, repeats: int, top: int = 14) -> dict:
+    """A step through whole extend graphs (`--profile --whole`): wall ms (CUDA events, median), GPU kernel
+    ms and its largest kernels (torch.profiler, kernels inside the graph included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps.runner.piecewise = whole
+    wall, _ = steps.run(parts, whole, repeats)
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        for _ in range(repeats):
+            steps.runner.greedy_tokens(steps.runner.forward_hidden(steps.batch(parts)))
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels = sum(e.self_device_time_total for e in events) / 1000 / repeats
+    ranked = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+    return dict(wall_ms=wall, gpu_kernel_ms=kernels,
+                top_kernels=[(e.key[:70], e.self_device_time_total / 1000 / repeats, e.count // repeats) for e in ranked])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1b")
@@ -180,6 +199,14 @@ def main(argv: list[str] | None = None) -> None:
         row, slots = steps.request(c)
         parts = [(r, s, a.decode_context, 1) for r, s in decodes[:d]] + [(row, slots, 0, c)]
         cases.append((f"mixed {d}+{c}", parts))
+    if a.profile and whole is not None:
+        print(f"whole extend graphs, {a.shape} {str(dtype)[6:]}, {hardware()}: ms per step, largest kernels")
+        for name, parts in cases:
+            r = profile_whole(steps, parts, whole, a.repeats)
+            print(f"{name:>18}  wall {r['wall_ms']:.3f}  GPU kernels {r['gpu_kernel_ms']:.3f}", flush=True)
+            for key, ms, count in r["top_kernels"]:
+                print(f"{'':>20}{ms:7.3f} ms  x{count:<4} {key}")
+        return
     if a.profile:
         print(f"piecewise mixed steps, {a.shape} {str(dtype)[6:]}, {hardware()}: ms per step")
         print(f"{'step':>18} {'wall':>7} {'host':>7} {'attend host':>12} {'replays host':>13} {'GPU kernels':>12} sites")

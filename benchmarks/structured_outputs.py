@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="build each sequence's text in the step loop (LLM.generate), not in frontends (served)")
     ap.add_argument("--profile", action="store_true",
                     help="also run each mode once more under cProfile and print its top host functions")
+    ap.add_argument("--phases", action="store_true",
+                    help="time each part of the step loop (wall and the loop thread's CPU, step_phases.py) in every "
+                         "run; a table of the median runs' phases")
     ap.add_argument("--host-only", action="store_true", help="no model: the host's accept and mask fill per row")
     ap.add_argument("--steps", type=int, default=16, help="--host-only: steps timed per round")
     ap.add_argument("--rounds", type=int, default=3, help="--host-only: rounds (the best is reported)")
@@ -107,13 +110,18 @@ def main(argv: list[str] | None = None) -> None:
     if a.accept_in_loop:
         modes.append(("json_schema loop accept", spec, None, False))
     runs: dict[str, list[dict]] = {m[0]: [] for m in modes}
+    timer = None
+    if a.phases:
+        from step_phases import PhaseTimer
+
+        timer = PhaseTimer(engine)
     for rep in range(a.repeat):  # the modes in turn, `--repeat` rounds: drift and first-run costs spread evenly
         for name, so, threads, on_worker in modes:
             engine.launcher.grammar_threads = threads  # None: the default
             engine.accept_on_worker = on_worker
             params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=so is None,
                                     structured_outputs=so)
-            row = measured_run(engine, prompts, params, name, a.shape)
+            row = measured_run(engine, prompts, params, name, a.shape, timer)
             runs[name].append(row)
             print(json.dumps({**row, "round": rep}), flush=True)
             if a.profile and rep == 0:  # a separate run: the profiler's own cost stays out of the numbers
@@ -135,13 +143,21 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['mask_wait_ms_per_step']:>18} {r['device_wait_ms_per_step']:>20} {r['rejected_tokens']:>8}")
     print(f"  constrained / unconstrained: {ratio:.1%} (medians of {a.repeat} rounds of the modes in turn); schema compile {cold_ms:.1f} ms cold (vocabulary table "
           f"{vocab_ms:.0f} ms, once per process), {cached_ms * 1e3:.1f} us cached")
+    if timer is not None:
+        from step_phases import phase_table
+
+        print("\nstep loop by phase, each mode's median run (own time of each part; wall above CPU: off the CPU):")
+        print(phase_table({r["mode"]: r["phases"] for r in rows}))
     escaped = sum(r["rejected_tokens"] for rs in runs.values() for r in rs)
     if escaped:  # every token is drawn under its row's mask: a refused one is a bug (e.g. a mask read too early)
         raise SystemExit(f"{escaped} sampled tokens were refused by their grammar")
 
 
-def measured_run(engine, prompts: list[list[int]], params, name: str, shape: str) -> dict:
-    """`run` with the engine's counters read around it: mask fill and waits per step."""
+def measured_run(engine, prompts: list[list[int]], params, name: str, shape: str, timer=None) -> dict:
+    """`run` with the engine's counters read around it: mask fill and waits per step; with a
+    `step_phases.PhaseTimer`, the step loop's time by phase."""
+    if timer is not None:
+        timer.take(1)  # (what ran since the last run: warm-up, another mode)
     before = engine.counters()
     row = dict(kind="run", mode=name, shape=shape, **run(engine, prompts, params, name))
     after = engine.counters()
@@ -155,6 +171,8 @@ def measured_run(engine, prompts: list[list[int]], params, name: str, shape: str
                mask_fill_us_per_row=round(fill_ms * 1e3 / masked, 1) if masked else 0.0,
                mask_wait_ms_per_step=round(wait_ms / steps, 2), device_wait_ms_per_step=round(device_ms / steps, 2),
                rejected_tokens=rejected)
+    if timer is not None:
+        row["phases"] = timer.take(steps)
     return row
 
 

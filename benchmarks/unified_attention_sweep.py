@@ -39,7 +39,10 @@ from swaserve.kernels.unified_attention import (  # noqa: E402
 # heads, kv heads, head dim (tiny: --smoke)
 SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256), "tiny": (2, 1, 32)}
 SETTINGS = [(16, 4, 2), (16, 4, 3), (16, 8, 2), (64, 4, 2)]
-EXTEND_SETTINGS = [(64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 3)]
+# (rows, warps, stages) of an extend program; 16- and 32-row tiles: more programs where a short prefill's
+# 64-row tiles leave most SMs idle (1B, 512 tokens: 32 tiles of 16 tokens x 4 heads on 132 SMs)
+EXTEND_SETTINGS = [(64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3),
+                   (16, 4, 2), (16, 4, 3), (16, 8, 3)]
 
 
 @dataclass(frozen=True)
@@ -166,18 +169,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=d.ctx, help="keys per request (decode)")
     ap.add_argument("--max-context", type=int, default=d.max_context, help="the request table's width")
     ap.add_argument("--window", type=int, default=d.window, help="sliding layers' window")
-    ap.add_argument("--prefill", default=f"{d.prefill_reqs}x{d.prefill_len}", help="--extend: REQSxTOKENS")
+    ap.add_argument("--prefill", default=f"{d.prefill_reqs}x{d.prefill_len}",
+                    help="--extend: REQSxTOKENS, or a comma list of them")
     ap.add_argument("--calls", type=int, default=d.calls, help="calls per graph, each over its own keys")
     args = parse_args(ap, argv, smoke=dict(shapes="tiny", batch_sizes="2", context=48, max_context=128,
                                            window=16, prefill="2x40", calls=1))
     dev = bench_device(args.smoke)
-    reqs, tokens = (int(x) for x in args.prefill.split("x"))
-    z = Sizes(args.context, args.max_context, args.window, reqs, tokens, args.calls)
+    prefills = [tuple(int(x) for x in spec.split("x")) for spec in args.prefill.split(",")]
+    z = Sizes(args.context, args.max_context, args.window, *prefills[0], args.calls)
     print(f"# {hardware()}, bf16, context {z.ctx}, max_context {z.max_context}")
     if args.extend:
-        for shape in args.shapes.split(","):
-            for window in (None, z.window):
-                print(json.dumps(extend_case(shape, window, dev, z)), flush=True)
+        for reqs, tokens in prefills:
+            zp = Sizes(args.context, args.max_context, args.window, reqs, tokens, args.calls)
+            for shape in args.shapes.split(","):
+                for window in (None, z.window):
+                    print(json.dumps(extend_case(shape, window, dev, zp)), flush=True)
         return
     rows = []
     for shape in args.shapes.split(","):

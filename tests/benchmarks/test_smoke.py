@@ -25,15 +25,16 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # Modules that are not scripts: what the scripts import (their code runs in the scripts' smoke runs).
-HELPERS = {"common.py", "grammar_host.py", "load_client.py", "probes.py", "profiling.py", "ttft_breakdown.py"}
+HELPERS = {"common.py", "grammar_host.py", "load_client.py", "probes.py", "profiling.py", "step_phases.py", "ttft_breakdown.py"}
 
 # More smoke runs for scripts with more than one mode (each list: arguments after --smoke).
 MORE_RUNS = {
     "decode.py": [["--quantization", "none,fp8", "--shapes", "gemma4-tiny"]],  # online FP8 weights: dense and experts
     "deterministic.py": [["--probes", "--control"]],
+    "host_step.py": [["--schema", "--phases"]],  # constrained vs not, the step loop by phase (step_phases.py)
     "moe_kernel.py": [["--model", "gpt-oss-20b"]],
     "piecewise.py": [["--whole", "--chunks", "8", "--mixed", "2+6"]],  # whole extend graphs (interpreted Triton), beside the pieces  # GPT-OSS's form: MXFP4 and bf16 experts, biases
-    "structured_outputs.py": [["--host-only"]],  # no model: accept and mask fill per row
+    "structured_outputs.py": [["--host-only"], ["--phases"]],  # no model: accept and fill per row; loop phases
     "unified_attention_sweep.py": [["--extend"]],
 }
 
