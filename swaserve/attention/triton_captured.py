@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.h2d import copy_into
-from swaserve.kernels.unified_attention import extend_tile_queries, unified_attention
+from swaserve.kernels.unified_attention import extend_rows, extend_tile_queries, unified_attention
 from swaserve.kernels.unified_work import extend_tile_capacity, extend_tiles
 
 if TYPE_CHECKING:
@@ -86,7 +86,9 @@ def captured_attention(meta: CapturedExtendMetadata, req_to_token: ReqToTokenPoo
     # one program per row (what a decode step of R rows would take) streams a long context serially.
     unified_attention(q, out, k_buf, v_buf, table, inp.rows, inp.seq_lens, inp.qo_indptr, spec.scaling,
                       max_extend_len=1, programs="chunk", **kw)
+    group = spec.num_heads // spec.num_kv_heads
+    rows = extend_rows(q.shape[0], group, spec.num_kv_heads, k_buf)  # the tile height its launch takes
     unified_attention(q, out, k_buf, v_buf, table, inp.rows, inp.seq_lens, inp.qo_indptr, spec.scaling,
-                      max_extend_len=meta.num_tokens,
-                      work=meta.tiles(extend_tile_queries(spec.num_heads // spec.num_kv_heads)), **kw)
+                      max_extend_len=meta.num_tokens, work=meta.tiles(extend_tile_queries(group, rows)),
+                      tile_rows=rows, **kw)
     return out

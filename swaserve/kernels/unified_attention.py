@@ -32,13 +32,25 @@ from swaserve.kernels.unified_launch import (
     decode_chunks,
     decode_config,
     decode_programs,
+    extend_launch,
     extend_tile_queries,
+    extend_tile_rows,
     unified_config,
 )
 from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk
 
-__all__ = ["BLOCK_M", "PROGRAMS", "decode_chunks", "decode_config", "decode_programs", "extend_tile_queries", "key_chunk",
-           "unified_attention", "unified_config"]
+__all__ = ["BLOCK_M", "PROGRAMS", "decode_chunks", "decode_config", "decode_programs", "extend_rows",
+           "extend_tile_queries", "key_chunk", "unified_attention", "unified_config"]
+
+
+def extend_rows(tokens: int, group: int, kv_heads: int, k_buf: torch.Tensor) -> int:
+    """Rows of `unified_attention`'s extend tiles over `tokens` queries (`extend_tile_rows`), given the
+    layer's pool `k_buf`: 64 for an e4m3 pool read as bytes (tiles loaded as e4m3 feed the older MMA of a
+    short tile 4 wide along K: another summation order, `decode_config`). A captured step's tile list
+    (`extend_tile_queries(group, rows)` queries a tile) must be built for the rows its launch takes."""
+    if k_buf.dtype == torch.float8_e4m3fn and not fp8_cvt_asm(k_buf.device):
+        return BLOCK_M
+    return extend_tile_rows(tokens, triton.next_power_of_2(group), kv_heads, num_sms(k_buf.device))
 
 
 
@@ -162,6 +174,7 @@ def unified_attention(
     k_scale: torch.Tensor | None = None,  # [1] float32, device: an FP8 (e4m3) pool's scales (both or neither)
     v_scale: torch.Tensor | None = None,
     work: torch.Tensor | None = None,  # [2, W] int32: extend tiles (`unified_work.extend_tiles`), the grid's
+    tile_rows: int | None = None,  # with `work`: the rows of the tiles it lists (`extend_tile_queries(group, rows)`)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
@@ -191,14 +204,17 @@ def unified_attention(
     group_p = triton.next_power_of_2(group)
     assert group_p <= BLOCK_M, f"GQA group {group} wider than a tile"
     bdk, bdv = _block_d(DK), _block_d(DV)
-    block_n, warps, stages = unified_config(max(bdk, bdv), q.element_size())
+    decode = max_extend_len == 1 and work is None  # an extend over a tile list may hold one-token tiles
+    if work is not None:
+        assert tile_rows is not None and tile_rows >= max(16, group_p) and tile_rows in (16, 32, 64), tile_rows
+    rows = BLOCK_M if decode else tile_rows if work is not None else extend_rows(T, group, HKV, k_buf)
+    block_n, warps, stages = extend_launch(rows, max(bdk, bdv), q.element_size())
     max_context = req_to_token.shape[1]
     chunk = chunk or key_chunk(max_context)
     assert chunk % block_n == 0, f"chunk {chunk} is not a multiple of the key block {block_n}"
     upcast, prec = dot_flags(q.dtype)
     ks, vs, fp8 = kv_scale_args(k_buf, k_scale, v_scale, q)
     asm = fp8 and fp8_cvt_asm(q.device)  # e4m3 tiles convert before shared memory: the 16-row decode tile
-    decode = max_extend_len == 1 and work is None  # an extend over a tile list may hold one-token tiles
     if decode:
         assert first_row == 0, "a decode launch spans every request row"
         nc = decode_chunks(max_context, chunk, window)
@@ -217,7 +233,7 @@ def unified_attention(
         block_m, warps, stages = decode_config(group_p, window is not None, programs,
                                                warps if fp8 and not asm else None)
     else:
-        block_m = BLOCK_M
+        block_m = rows
     if work is not None:
         assert work.dtype == torch.int32 and work.shape[0] == 2 and work.is_contiguous(), work.shape
         grid = (work.shape[1], HKV, 1)

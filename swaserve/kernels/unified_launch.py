@@ -16,9 +16,43 @@ REQUEST_PROGRAM_WAVES = 1.25
 PROGRAMS = ("block", "chunk", "request")
 
 
-def extend_tile_queries(group: int) -> int:
-    """Queries an extend tile holds: its `BLOCK_M` rows over the GQA group padded to a power of two."""
-    return BLOCK_M // triton.next_power_of_2(group)
+def extend_tile_queries(group: int, rows: int = BLOCK_M) -> int:
+    """Queries an extend tile of `rows` rows holds: its rows over the GQA group padded to a power of two."""
+    return rows // triton.next_power_of_2(group)
+
+
+def extend_tile_rows(tokens: int, group_p: int, kv_heads: int, sms: int) -> int:
+    """Rows of the extend tiles of a launch over `tokens` queries: the tallest of 64, 32 and 16 whose tiles
+    (x kv heads: the programs) fill 7/8 of the SMs, else the shortest that holds a GQA group. A short
+    prefill's 64-row tiles leave most SMs idle: Gemma-3-1B (one kv head, 4 queries a token) has 32 of them
+    at 512 tokens for 132 SMs. One H200, bf16, d256, one request's prefill, us per layer, full / sliding
+    (`unified_attention_sweep.py --extend`, benchmarks/results/h200_unified_extend_tiles_2026-11-29.log):
+
+        1B 512 tokens:  64 rows 37.4 / 48.2, 32 rows 29.3 / 36.9, 16 rows 27.4 / 30.1   (32 / 64 / 128 programs)
+        1B 1024:        64 rows 63.0 / 55.3, 32 rows 53.8 / 44.4, 16 rows 54.8 / 39.0   (64 / 128 / 256)
+        4B 512:         64 rows 35.8 / 48.8, 32 rows 29.6 / 40.5, 16 rows 32.8 / 36.7   (64 / 128 / 256)
+        4B 1024:        64 rows 65.3 / 54.9, 32 rows 81.6 / 77.8                        (128 / 256)
+        4 x 2048 (1B, 4B): 64 rows fastest by 1.1-2x
+
+    A tile's height changes no query's bits: every reduction along a row is independent of it
+    (`unified_attention`'s module docstring), as the 16-row decode and 64-row extend tiles already show."""
+    floor = max(DECODE_BLOCK_M, group_p)
+    for rows in (BLOCK_M, BLOCK_M // 2, BLOCK_M // 4):
+        if rows < floor:
+            break
+        if 8 * -(-tokens * group_p // rows) * kv_heads >= 7 * sms:
+            return rows
+    return floor
+
+
+def extend_launch(rows: int, block_d: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of an extend program of `rows` rows: `unified_config`'s, with 4 warps
+    and at most 2 stages for a 16-row tile (1B and 4B at 512-1024 tokens: 16 x 4 x 2 within 5% of the best
+    16-row setting or faster; 16 x 8 x 3 up to 1.5x slower, same sweep)."""
+    block_n, warps, stages = unified_config(block_d, elem_bytes)
+    if rows <= DECODE_BLOCK_M:
+        return block_n, 4, min(stages, 2)
+    return block_n, warps, stages
 
 
 def unified_config(block_d: int, elem_bytes: int) -> tuple[int, int, int]:

@@ -16,6 +16,7 @@ from swaserve.kernels import bi_matmul
 from swaserve.kernels.bi_matmul import Tiling, bi_linear, tiling
 from swaserve.kernels.index_builders import window_slots
 from swaserve.kernels.unified_attention import PROGRAMS, decode_programs, unified_attention
+from swaserve.kernels.unified_launch import extend_tile_rows
 
 
 # ---- bi_linear -------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ def test_fused_greedy_head_matches_bi_linear_logits(device, seed):
 # ---- unified_attention -----------------------------------------------------------------------------
 
 def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=None, chunk=None, which=None,
-            programs=None, slots=False):
+            programs=None, slots=False, launch=None):
     """reqs: (prefix, new) per request (`which`: their indices among the pools' requests, default
     0..); runs the kernel with every K/V already in the pools (`slots`: a decode step of a sliding
     layer reading its window's slots from `window_slots`)."""
@@ -117,7 +118,7 @@ def _attend(pools, reqs, H, Hkv, window, dtype, g, device, softcap=0.0, sinks=No
     unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125,
                       max_extend_len=max(n for _, n in reqs), window=window,
                       full_to_swa=pools.full_to_swa if swa else None, logit_softcap=softcap, sinks=sinks,
-                      chunk=chunk, programs=programs,
+                      chunk=chunk, programs=programs, launch=launch,
                       slots=window_slots(pools.req_to_token, rows, seq, pools.full_to_swa, window) if slots
                       else None)
     return q, out
@@ -168,6 +169,43 @@ def test_unified_attention_matches_reference(H, Hkv, Dk, Dv, dtype, window, soft
                          softcap, sinks)
         torch.testing.assert_close(out[off: off + n].double(), ref, **tolerances(dtype))
         off += n
+
+
+@pytest.mark.parametrize("window", [8, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unified_extend_tile_height_changes_no_bits(window, dtype, device, seed):
+    """Extend tiles of 16, 32 and 64 rows (`extend_tile_rows` picks by the step's tokens) give every query
+    the same bits, and a decode row the bits the decode launch gives it."""
+    H, Hkv, D = 8, 2, 32
+    reqs = [(0, 21), (5, 7), (7, 1), (60, 20), (120, 37)]
+    swa_from = [max(0, p - window + 1) for p, _ in reqs] if window else None
+    outs = []
+    for rows, warps, stages in ((64, 4, 2), (32, 4, 2), (16, 4, 2)):
+        g = torch.Generator().manual_seed(seed)
+        pools = make_pools([p + n for p, n in reqs], Hkv, D, D, dtype, g, device, swa_from=swa_from)
+        outs.append(_attend(pools, reqs, H, Hkv, window, dtype, g, device, launch=(rows, warps, stages))[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    g = torch.Generator().manual_seed(seed)
+    pools = make_pools([p + n for p, n in reqs], Hkv, D, D, dtype, g, device, swa_from=swa_from)
+    q, _ = _attend(pools, reqs, H, Hkv, window, dtype, g, device)  # (the same draw of q as above)
+    dec = torch.full((1, H, D), float("nan"), dtype=dtype, device=device)
+    unified_attention(q[28:29], dec, *((pools.k_swa, pools.v_swa) if window else (pools.k_full, pools.v_full)),
+                      pools.req_to_token, pools.rows[2:3], torch.tensor([8], dtype=torch.int32, device=device),
+                      torch.tensor([0, 1], dtype=torch.int32, device=device), 0.125, max_extend_len=1, window=window,
+                      full_to_swa=pools.full_to_swa if window else None)
+    assert torch.equal(dec[0], outs[0][28])
+
+
+def test_extend_tile_rows_fill_the_sms():
+    """The tallest extend tile whose programs fill 7/8 of the SMs (132), never below a GQA group or 16 rows."""
+    assert extend_tile_rows(512, 4, 1, 132) == 16  # Gemma-3-1B: 32 / 64 / 128 programs
+    assert extend_tile_rows(1024, 4, 1, 132) == 32
+    assert extend_tile_rows(2048, 4, 1, 132) == 64
+    assert extend_tile_rows(512, 2, 4, 132) == 32  # Gemma-3-4B
+    assert extend_tile_rows(1024, 2, 4, 132) == 64
+    assert extend_tile_rows(8, 4, 1, 132) == 16
+    assert extend_tile_rows(8, 32, 1, 132) == 32  # a tile holds a whole GQA group
+    assert extend_tile_rows(8, 64, 1, 132) == 64
 
 
 def test_unified_extend_from_a_first_row_leaves_the_rows_before_it(device, seed):

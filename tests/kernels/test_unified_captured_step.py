@@ -69,14 +69,15 @@ def test_captured_step_launches_give_the_eager_bits(window, dtype, device, seed)
     seq[: len(reqs)] = seq_live
     rows = torch.zeros(R, dtype=pools.rows.dtype, device=device)
     rows[: len(reqs)] = rows_live
-    toks = extend_tile_queries(H // Hkv)
-    work = extend_tiles(qo, toks, extend_tile_capacity(N, R, toks))
-    for programs in ("block", "chunk", "request"):
+    # Every tile height the launch rules pick (`extend_tile_rows`), each with its own tile list: the same bits.
+    for tile_rows, programs in ((64, "block"), (32, "chunk"), (16, "request")):
+        toks = extend_tile_queries(H // Hkv, tile_rows)
+        work = extend_tiles(qo, toks, extend_tile_capacity(N, R, toks))
         out = torch.full((N, H, D), float("nan"), dtype=dtype, device=device)
         unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125, max_extend_len=1,
                           window=window, full_to_swa=f2s, programs=programs)
         assert torch.isnan(out[3:]).all(), "the decode launch writes the decode rows only"
         unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125, max_extend_len=N,
-                          window=window, full_to_swa=f2s, work=work)
-        assert torch.equal(out[:T], eager), programs
+                          window=window, full_to_swa=f2s, work=work, tile_rows=tile_rows)
+        assert torch.equal(out[:T], eager), (tile_rows, programs)
         assert torch.isnan(out[T:]).all(), "padded tokens are not written"
