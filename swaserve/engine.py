@@ -253,12 +253,11 @@ class Engine:
         nxt = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
         pending = None
         if step.constrained:  # the grammars first: the next step's masks depend on nothing else
-            live = [(r.grammar, t) for r, t in zip(step.reqs, tokens) if r.grammar is not None and not r.finished]
-            grammars, toks = [g for g, _ in live], [t for _, t in live]  # type: ignore[misc]
+            grammars = [None if r.finished else r.grammar for r in step.reqs]  # (None: skipped)
             if nxt is not None and self.accept_on_worker:
-                pending = accept_later(grammars, toks)
+                pending = accept_later(grammars, tokens)
             else:
-                self.stats.grammar_rejected += accept_tokens(grammars, toks)
+                self.stats.grammar_rejected += accept_tokens(grammars, tokens)
         if nxt is not None:
             # Overlap with constrained rows: the next step's model is running; a worker thread accepts the tokens
             # (`pending`) and fills its masks until it samples (`_advance`), while this step commits.

@@ -99,7 +99,7 @@ class StepLauncher:
         the device runs this step's model. A row that ends with the step committing gets a mask it will
         not need; a row whose grammar ended gets none."""
         assert step.deferred is not None and step.masks is None
-        step.masks = self._start_masks(step.reqs, background=True, accept=accept)
+        step.masks = self._start_masks(step.reqs, background=True, accept=accept, constrained=step.constrained)
         if step.masks is None and accept is not None:  # no row left to fill: the accept alone, here
             accept.run()
             self.grammar_rejected += accept.rejected
@@ -109,7 +109,8 @@ class StepLauncher:
         host (its masks fill since `start_masks`, or start now on the worker thread)."""
         assert step.deferred is not None and step.plan is None
         masks, step.masks = step.masks, None
-        step.plan = self._prepare(step.reqs, step.deferred[1], background=True, masks=masks)
+        step.plan = self._prepare(step.reqs, step.deferred[1], background=True, masks=masks,
+                                  constrained=step.constrained)
 
     def sample_deferred(self, step: LaunchedStep) -> None:
         """Sample a launched step's rows (under the masks of constrained rows, filled on the host while
@@ -183,12 +184,17 @@ class StepLauncher:
         params = [r.params for r in reqs]
         distinct = distinct_params(params)
         if masks is None and constrained is not False:
-            masks = self._start_masks(reqs, background)
+            masks = self._start_masks(reqs, background, constrained=constrained)
         greedy = is_plain_greedy(distinct)
         return SamplePlan(params, greedy, None if greedy else self._sampling_batch(reqs, params, distinct, rows), masks)
 
-    def _start_masks(self, reqs: list[Req], background: bool, accept: PendingAccept | None = None) -> MaskJob | None:
-        if not any(r.grammar is not None for r in reqs):  # (the common case costs this one pass)
+    def _start_masks(self, reqs: list[Req], background: bool, accept: PendingAccept | None = None,
+                     constrained: bool | None = None) -> MaskJob | None:
+        """The fill of `reqs`' masks (`start_fill`); `constrained`: whether any row has a grammar, when the
+        caller knows (None: looked up, the one pass an unconstrained batch costs)."""
+        if constrained is None:
+            constrained = any(r.grammar is not None for r in reqs)
+        if not constrained:
             return None
         if self._mask_rows is None:
             self._mask_rows = MaskRows((self.vocab_size + 31) // 32)

@@ -121,11 +121,12 @@ class MaskJob:
     given one (`accept`, a `PendingAccept`). `result()` waits for it; `fill_seconds` is the time xgrammar
     took (on whichever thread ran it), the accept included; `rejected` the tokens that accept refused."""
 
-    __slots__ = ("accept", "done", "error", "fill_seconds", "masks", "matchers", "started", "threads")
+    __slots__ = ("accept", "done", "error", "fill_seconds", "grammars", "handles", "masks", "started", "threads")
 
-    def __init__(self, matchers: list[Any], masks: TokenMasks, threads: int | None = None,
-                 accept: PendingAccept | None = None):
-        self.matchers = matchers
+    def __init__(self, grammars: list[SequenceGrammar], handles: list[Any], masks: TokenMasks,
+                 threads: int | None = None, accept: PendingAccept | None = None):
+        self.grammars = grammars  # the live rows' grammars, in mask row order
+        self.handles = handles  # their xgrammar core objects (None where xgrammar has no `_handle`)
         self.threads = threads
         self.masks = masks
         self.accept = accept
@@ -140,12 +141,16 @@ class MaskJob:
 
     def run(self) -> None:
         try:
-            batch = _batch(fill_threads(len(self.matchers), self.threads))
+            batch = _batch(fill_threads(len(self.grammars), self.threads))
             self.started.set()  # the submitter goes on once this thread is inside xgrammar (GIL released)
             t0 = time.perf_counter()
             if self.accept is not None:
                 self.accept.run()
-            batch.batch_fill_next_token_bitmask(self.matchers, self.masks.masks)
+            core = getattr(batch, "_handle", None)
+            if core is not None and self.handles[0] is not None:  # no pass over the rows holding the GIL
+                core.batch_fill_next_token_bitmask(self.handles, self.masks.masks, None, False)
+            else:  # another xgrammar layout: the public call
+                batch.batch_fill_next_token_bitmask([g.matcher for g in self.grammars], self.masks.masks)
             self.fill_seconds = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 (handed to whoever waits for the result)
             self.error = e
@@ -195,15 +200,19 @@ def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out:
     `accept`: the tokens the grammars took as accepted (`accept_later`), accepted first by the same job.
     The grammars must not advance until `result()` returned. None when no row is live: `accept`, if any,
     is then the caller's to run."""
-    live = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    live, rows, handles = [], [], []
+    for i, g in enumerate(grammars):  # one pass over the batch
+        if g is not None and not g.terminated:
+            live.append(g)
+            rows.append(i)
+            handles.append(g.handle)
     if not live:
         return None
     words = (vocab_size + 31) // 32
     if out is None:
         out = MaskRows(words)
     assert out.words == words, (out.words, words)
-    job = MaskJob([grammars[i].matcher for i in live],  # type: ignore[union-attr]
-                  TokenMasks(out.rows(len(live)), live, len(grammars)), threads, accept)
+    job = MaskJob(live, handles, TokenMasks(out.rows(len(live)), rows, len(grammars)), threads, accept)
     if not background:
         job.run()
         return job

@@ -50,21 +50,23 @@ class SequenceGrammar:
         return False
 
 
-def accept_tokens(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) -> int:
+def accept_tokens(grammars: Sequence[SequenceGrammar | None], tokens: Sequence[int]) -> int:
     """Each grammar accepts its token ahead of the sequence's append (`SequenceGrammar.appended`), the live
-    ones in one xgrammar call: the step loop does this first thing after a step's tokens arrive, so the
-    next step's masks can start filling before the rest of the step's output is processed. Returns how many
-    tokens were refused: 0 unless a token was sampled past its row's mask
-    (`grammar_rejected_tokens_total`)."""
+    ones in one xgrammar call (None: a row without a grammar, or one that will not append, skipped): the step
+    loop does this first thing after a step's tokens arrive, so the next step's masks can start filling
+    before the rest of the step's output is processed. Returns how many tokens were refused: 0 unless a
+    token was sampled past its row's mask (`grammar_rejected_tokens_total`)."""
     live, toks = [], []
     for g, t in zip(grammars, tokens):  # one pass: at 256 rows each pass over them costs ~15-30 us
+        if g is None:
+            continue
         g.ahead += 1
         if not g.terminated:
             live.append(g)
             toks.append(t)
     if not live:
         return 0
-    oks = _batch_accept(live, toks)
+    oks = _batch_accept(live, [g.handle for g in live], toks)
     if oks is None:  # every token accepted (the usual case: each was drawn under its row's mask)
         # `_accepted(t, True)` inlined: the call a row cost ~0.5 us of the ~1.7 (CPU, --host-only)
         for g, t in zip(live, toks):
@@ -79,18 +81,21 @@ class PendingAccept:
     """A step's tokens its live grammars took as accepted (`accept_later`) before xgrammar has seen them:
     `run()` makes the one xgrammar call, on the mask worker, right before it fills the next step's masks
     from the states it leaves (`masks.MaskJob`). Until then the matchers lag the sequences by this token;
-    nothing reads them meanwhile (the step loop's next read is that fill's result). `rejected`: tokens
-    refused (0 unless one was sampled past its row's mask)."""
+    nothing reads them meanwhile (the step loop's next read is that fill's result). `handles`: xgrammar's
+    core objects of `grammars`, gathered by the step loop's pass, so the worker holds the GIL for no pass
+    of its own between its two calls. `rejected`: tokens refused (0 unless one was sampled past its row's
+    mask)."""
 
-    __slots__ = ("grammars", "rejected", "tokens")
+    __slots__ = ("grammars", "handles", "rejected", "tokens")
 
-    def __init__(self, grammars: list[SequenceGrammar], tokens: list[int]):
+    def __init__(self, grammars: list[SequenceGrammar], handles: list[Any], tokens: list[int]):
         self.grammars = grammars
+        self.handles = handles
         self.tokens = tokens
         self.rejected = 0
 
     def run(self) -> None:
-        oks = _batch_accept(self.grammars, self.tokens)
+        oks = _batch_accept(self.grammars, self.handles, self.tokens)
         if oks is None:
             return
         for g, ok in zip(self.grammars, oks):
@@ -99,31 +104,35 @@ class PendingAccept:
                 self.rejected += 1
 
 
-def accept_later(grammars: Sequence[SequenceGrammar], tokens: Sequence[int]) -> PendingAccept | None:
+def accept_later(grammars: Sequence[SequenceGrammar | None], tokens: Sequence[int]) -> PendingAccept | None:
     """`accept_tokens` without the xgrammar call, which the returned `PendingAccept` makes later (None: no
     grammar was live): each live grammar counts its token as accepted now, terminated if it is one of its
     stop tokens (what xgrammar says of a token drawn under the row's mask), so the step loop can go on
-    committing the step while a worker thread makes the call (~1-3 us a row, the GIL released)."""
-    live, toks = [], []
+    committing the step while a worker thread makes the call (~1-3 us a row, the GIL released). None
+    entries are skipped, as in `accept_tokens`."""
+    live, handles, toks = [], [], []
     for g, t in zip(grammars, tokens):
+        if g is None:
+            continue
         g.ahead += 1
         if not g.terminated:
             live.append(g)
+            handles.append(g.handle)
             toks.append(t)
             g.terminated = t in g.stops
-    return PendingAccept(live, toks) if live else None
+    return PendingAccept(live, handles, toks) if live else None
 
 
-def _batch_accept(grammars: list[SequenceGrammar], tokens: list[int]) -> Sequence[bool] | None:
-    """xgrammar's batch accept; None when it accepted every token. Its public wrapper converts the result
-    row by row through the FFI (a third of the call at 256 rows, ~0.6 us a row); the core's array (of ints
-    0 / 1: `False in` never matches) answers `0 in` natively, so rows are read one by one only when some
-    token was refused."""
+def _batch_accept(grammars: list[SequenceGrammar], handles: list[Any], tokens: list[int]) -> Sequence[bool] | None:
+    """xgrammar's batch accept (`handles`: the grammars' core objects); None when it accepted every token.
+    Its public wrapper converts the result row by row through the FFI (a third of the call at 256 rows,
+    ~0.6 us a row); the core's array (of ints 0 / 1: `False in` never matches) answers `0 in` natively, so
+    rows are read one by one only when some token was refused."""
     import xgrammar as xgr
 
     core = getattr(getattr(xgr.matcher, "_core", None), "BatchGrammarMatcher", None)
-    if core is None or grammars[0].handle is None:  # another xgrammar layout: the public call
+    if core is None or handles[0] is None:  # another xgrammar layout: the public call
         oks = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
         return None if all(oks) else oks
-    result = core.batch_accept_token([g.handle for g in grammars], tokens, False)
+    result = core.batch_accept_token(handles, tokens, False)
     return None if 0 not in result else [bool(ok) for ok in result]
