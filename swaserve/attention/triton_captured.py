@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swaserve.h2d import copy_into
+from swaserve.kernels.index_builders import window_slots
 from swaserve.kernels.unified_attention import extend_rows, extend_tile_queries, unified_attention
 from swaserve.kernels.unified_work import extend_tile_capacity, extend_tiles
 
@@ -64,6 +65,7 @@ class CapturedExtendMetadata:
     num_tokens: int  # N: the captured token count
     swa_out_cache_loc: torch.Tensor | None
     work: dict[int, torch.Tensor] = field(default_factory=dict)
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)  # by window: `window_slots` of all R rows
 
     def tiles(self, toks: int) -> torch.Tensor:
         if toks not in self.work:
@@ -71,12 +73,21 @@ class CapturedExtendMetadata:
             self.work[toks] = extend_tiles(self.inputs.qo_indptr, toks, cap)
         return self.work[toks]
 
+    def window_slots(self, table: torch.Tensor, full_to_swa: torch.Tensor, window: int) -> torch.Tensor:
+        """`[R, window]` SWA slots of each row's last window (`window_slots`), built at the first sliding layer
+        in the SWA pool and read by every such layer's decode launch: one gather a key, as in a decode step,
+        not the table then `full_to_swa`. Rows with other than one query never read theirs."""
+        if window not in self.slots:
+            self.slots[window] = window_slots(table, self.inputs.rows, self.inputs.seq_lens, full_to_swa, window)
+        return self.slots[window]
+
 
 def captured_attention(meta: CapturedExtendMetadata, req_to_token: ReqToTokenPool, q: torch.Tensor,
                        k_buf: torch.Tensor, v_buf: torch.Tensor, spec: AttentionSpec,
                        full_to_swa: torch.Tensor | None, sinks: torch.Tensor | None,
                        scales: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One layer of a captured step: the decode launch, then the extend launch, into one output."""
+    """One layer of a captured step: the decode launch (a sliding layer's over its rows' window slots), then
+    the extend launch, into one output."""
     inp = meta.inputs
     out = q.new_zeros(q.shape[0], spec.num_heads, spec.v_head_dim)  # padded tokens: 0, as in every step
     kw = dict(window=spec.sliding_window, full_to_swa=full_to_swa, logit_softcap=spec.logit_softcap or 0.0,
@@ -84,8 +95,11 @@ def captured_attention(meta: CapturedExtendMetadata, req_to_token: ReqToTokenPoo
     table = req_to_token.req_to_token
     # Decode rows split over key chunks: their count varies from step to step under the static R, and
     # one program per row (what a decode step of R rows would take) streams a long context serially.
+    slots = None
+    if spec.sliding_window is not None and full_to_swa is not None:
+        slots = meta.window_slots(table, full_to_swa, spec.sliding_window)
     unified_attention(q, out, k_buf, v_buf, table, inp.rows, inp.seq_lens, inp.qo_indptr, spec.scaling,
-                      max_extend_len=1, programs="chunk", **kw)
+                      max_extend_len=1, programs="chunk", slots=slots, **kw)
     group = spec.num_heads // spec.num_kv_heads
     rows = extend_rows(q.shape[0], group, spec.num_kv_heads, k_buf)  # the tile height its launch takes
     unified_attention(q, out, k_buf, v_buf, table, inp.rows, inp.seq_lens, inp.qo_indptr, spec.scaling,

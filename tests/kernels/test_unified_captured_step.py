@@ -13,6 +13,7 @@ pytest.importorskip("triton", reason="triton is not installed; kernel tests need
 
 from kernel_ref import make_pools
 
+from swaserve.kernels.index_builders import window_slots
 from swaserve.kernels.unified_attention import extend_tile_queries, unified_attention
 from swaserve.kernels.unified_work import NO_TILE, extend_tile_capacity, extend_tiles
 
@@ -69,13 +70,17 @@ def test_captured_step_launches_give_the_eager_bits(window, dtype, device, seed)
     seq[: len(reqs)] = seq_live
     rows = torch.zeros(R, dtype=pools.rows.dtype, device=device)
     rows[: len(reqs)] = rows_live
-    # Every tile height the launch rules pick (`extend_tile_rows`), each with its own tile list: the same bits.
-    for tile_rows, programs in ((64, "block"), (32, "chunk"), (16, "request")):
+    # Every tile height the launch rules pick (`extend_tile_rows`), each with its own tile list, and a sliding
+    # layer's decode launch through all R rows' window slots (`window_slots`, as a captured step reads them)
+    # or through the table: the same bits.
+    slots = window_slots(pools.req_to_token, rows, seq, f2s, window) if window else None
+    for tile_rows, programs, use_slots in ((64, "block", False), (32, "chunk", True), (16, "request", True),
+                                           (64, "chunk", False)):
         toks = extend_tile_queries(H // Hkv, tile_rows)
         work = extend_tiles(qo, toks, extend_tile_capacity(N, R, toks))
         out = torch.full((N, H, D), float("nan"), dtype=dtype, device=device)
         unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125, max_extend_len=1,
-                          window=window, full_to_swa=f2s, programs=programs)
+                          window=window, full_to_swa=f2s, programs=programs, slots=slots if use_slots else None)
         assert torch.isnan(out[3:]).all(), "the decode launch writes the decode rows only"
         unified_attention(q, out, k_buf, v_buf, pools.req_to_token, rows, seq, qo, 0.125, max_extend_len=N,
                           window=window, full_to_swa=f2s, work=work, tile_rows=tile_rows)
