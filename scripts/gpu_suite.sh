@@ -19,7 +19,8 @@
 # the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router / router_graphs / router_decode: the MoE-layer fusions, tests and parity / graphs vs eager / decode off and on;
 # mx_split / mx_lut / mx_lut_default / mx_ncu: MXFP4 experts split over K, converted by table lookups (tests, sweeps,
 # parity, decode; Nsight Compute at one token); decode_all: the 1B / 4B / 26B-A4B / GPT-OSS-20B decode table in one call), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
-# where a mixed step's time goes; pw_profile_whole: the same through whole extend graphs; unified_tiles: the 16- and 32-row extend tiles' tests natively, then pw_profile_whole), mimo_serve
+# where a mixed step's time goes; pw_profile_whole: the same through whole extend graphs; unified_tiles: the 16- and 32-row extend tiles' tests natively, then pw_profile_whole; unified_gpu: the GPU tests of
+# whole graphs and FP8 pools), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
 # outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
@@ -357,15 +358,15 @@ PY
             run pw_profile 300 python3 benchmarks/piecewise.py --shape 1b --kv-mb 16384 --profile --chunks 64 \
                 --mixed 8+56,40+280,40+640 ;;
         unified_tiles)  # issue 39: the unified attention's shorter extend tiles: its kernel tests natively (decode ==
-            # extend bit for bit, the captured step, FP8 pools), whole graphs against eager and in deterministic mode,
-            # then pw_profile_whole's steps
+            # extend bit for bit, the captured step, FP8 pools), then pw_profile_whole's steps (unified_gpu: the GPU tests)
             SWASERVE_KERNEL_TESTS_ON_GPU=1 run unified_kernels 240 python3 -m pytest -q -p no:cacheprovider \
                 tests/kernels/test_batch_invariant_kernels.py tests/kernels/test_unified_captured_step.py \
                 tests/kernels/test_fp8_kv.py
-            run unified_gpu 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_unified_fp8_gpu.py \
-                tests/gpu/test_piecewise_gpu.py
             run pw_profile_whole 150 python3 benchmarks/piecewise.py --shape 1b --kv-mb 16384 --profile --whole \
                 --chunks 512,1024 --mixed 35+512,35+1024,256+768 ;;
+        unified_gpu)  # issue 39: whole graphs against eager (and in deterministic mode) and FP8 pools on the GPU
+            run unified_gpu 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_unified_fp8_gpu.py \
+                tests/gpu/test_piecewise_gpu.py ;;
         pw_profile_whole)  # issue 39: where a prefill / mixed step's time goes through whole extend graphs
             # (the default), the served Poisson set's longest steps: its prompts run to 1024 tokens beside ~35 decodes
             run pw_profile_whole 300 python3 benchmarks/piecewise.py --shape 1b --kv-mb 16384 --profile --whole \

@@ -9,13 +9,15 @@ computes chunks (or, for a few requests, single key blocks) in parallel programs
 `_merge_kernel`, or (many requests) one program per request folds them in registers as an extend
 program does: the same operations on the same key blocks, so a query gets the same bits decoded or
 prefilled, whatever else is in the batch and wherever the chunk boundaries of its prefill fall. A
-decode tile holds one token's query heads (16 rows), an extend tile 64: every reduction along a row
+decode tile holds one token's query heads (16 rows), an extend tile 64 (32 or 16 where a step's 64-row
+tiles would leave SMs idle, `extend_tile_rows`): every reduction along a row
 is therefore one that does not depend on the tile's height or thread layout: the max (exact), and
 dot products on the MMA (q.k, p.v, and the softmax's row sum as p times ones, `_row_sum`), whose
 rounding does not depend on the instruction's M (measured per GPU with the GEMM, `bi_matmul`).
 Blocks and chunks a query cannot see (the tile's other queries may) are exact no-ops (an empty state
 stays empty and leaves a fold unchanged).
-Tiles and launch settings depend only on the head dim, GQA group, dtype, layer kind and batch size.
+Tiles and launch settings depend only on the head dim, GQA group, dtype, layer kind and the launch's
+request and token counts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Launch settings of the unified attention kernel (`unified_attention`), from static shapes only (head
-dims, GQA group, dtype, layer kind, batch size), never from a batch's contents: what lets a launch be
-captured, and what keeps a query's reduction order fixed."""
+dims, GQA group, dtype, layer kind, the launch's request and token counts), never from a batch's contents:
+what lets a launch be captured, and what keeps a query's reduction order fixed."""
 
 from __future__ import annotations
 
