@@ -31,6 +31,7 @@ from swaserve.kernels.kv_quant import fp8_cvt_asm, kv_scale_args
 from swaserve.kernels.unified_launch import (
     BLOCK_M,
     PROGRAMS,
+    UNIFIED_FLAT,
     decode_chunks,
     decode_config,
     decode_programs,
@@ -39,7 +40,7 @@ from swaserve.kernels.unified_launch import (
     extend_tile_rows,
     unified_config,
 )
-from swaserve.kernels.unified_reduce import _fold, _keys, _merge_kernel, key_chunk
+from swaserve.kernels.unified_reduce import _fold, _keys, _keys_flat, _merge_kernel, key_chunk
 
 __all__ = ["BLOCK_M", "PROGRAMS", "decode_chunks", "decode_config", "decode_programs", "extend_rows",
            "extend_tile_queries", "key_chunk", "unified_attention", "unified_config"]
@@ -68,7 +69,7 @@ def _unified_kernel(
     HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     ROWWISE: tl.constexpr, KV_FP8: tl.constexpr, SINGLE: tl.constexpr, WORK: tl.constexpr,
-    E4M3_ASM: tl.constexpr,
+    E4M3_ASM: tl.constexpr, FLAT: tl.constexpr,
 ):
     """SPLIT (decode, one token per request): program (b, kvh, s) writes the partial of the s-th
     UNIT keys (a chunk or a key block) from the first chunk's start to `part_acc` / `part_ml`
@@ -135,16 +136,22 @@ def _unified_kernel(
         tl.store(part_ml + part * 2, m, mask=rmask)
         tl.store(part_ml + part * 2 + 1, l, mask=rmask)
     else:
-        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        L = tl.zeros([BLOCK_M], tl.float32)
-        ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        for c in range(c_lo, c_hi + 1):
-            m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, c * CHUNK,
-                              c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
-                              window, stride_t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
-                              BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE,
-                              E4M3_ASM)
-            M, L, ACC = _fold(M, L, ACC, m, l, acc)
+        if FLAT:  # one loop over the key blocks (`_keys_flat`): the same folds in the same order
+            M, L, ACC = _keys_flat(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, lo, hi, q_pos, rmask, kvh,
+                                   dk, dv, qk_scale, softcap, window, stride_t, stride_kt, stride_kh, stride_vt,
+                                   stride_vh, DK, DV, BLOCK_M, BLOCK_N, BLOCK_DV, CHUNK, HAS_WINDOW, HAS_MAP,
+                                   HAS_SOFTCAP, UPCAST, PREC, ROWWISE, E4M3_ASM)
+        else:
+            M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            L = tl.zeros([BLOCK_M], tl.float32)
+            ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+            for c in range(c_lo, c_hi + 1):
+                m, l, acc = _keys(q_t, k_buf, v_buf, table, full_to_swa, trow, pos0, c * CHUNK,
+                                  c * CHUNK + CHUNK - 1, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale, softcap,
+                                  window, stride_t, stride_kt, stride_kh, stride_vt, stride_vh, DK, DV, BLOCK_M,
+                                  BLOCK_N, BLOCK_DV, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE,
+                                  E4M3_ASM)
+                M, L, ACC = _fold(M, L, ACC, m, l, acc)
         if KV_FP8:
             ACC = ACC * tl.load(v_scale)
         o = _finish(ACC, M, L, sinks, heads, rmask, HAS_SINKS)
@@ -177,6 +184,7 @@ def unified_attention(
     v_scale: torch.Tensor | None = None,
     work: torch.Tensor | None = None,  # [2, W] int32: extend tiles (`unified_work.extend_tiles`), the grid's
     tile_rows: int | None = None,  # with `work`: the rows of the tiles it lists (`extend_tile_queries(group, rows)`)
+    flat: bool | None = None,  # extend: one loop over the key blocks (None: `UNIFIED_FLAT`, off for FP8 pools)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
@@ -210,7 +218,9 @@ def unified_attention(
     if work is not None:
         assert tile_rows is not None and tile_rows >= max(16, group_p) and tile_rows in (16, 32, 64), tile_rows
     rows = BLOCK_M if decode else tile_rows if work is not None else extend_rows(T, group, HKV, k_buf)
-    block_n, warps, stages = extend_launch(rows, max(bdk, bdv), q.element_size())
+    if flat is None:
+        flat = UNIFIED_FLAT and not decode and k_buf.element_size() != 1
+    block_n, warps, stages = extend_launch(rows, max(bdk, bdv), q.element_size(), flat)
     max_context = req_to_token.shape[1]
     chunk = chunk or key_chunk(max_context)
     assert chunk % block_n == 0, f"chunk {chunk} is not a multiple of the key block {block_n}"
@@ -261,7 +271,7 @@ def unified_attention(
         DK=DK, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv, SPLIT=split,
         HAS_MAP=full_to_swa is not None and not has_slots, HAS_SLOTS=has_slots,
         HAS_SOFTCAP=bool(logit_softcap), UPCAST=upcast, PREC=prec, ROWWISE=interpret_mode(), SINGLE=decode,
-        WORK=work is not None, E4M3_ASM=asm, **const,
+        WORK=work is not None, E4M3_ASM=asm, FLAT=flat, **const,
         num_warps=warps, num_stages=stages,
     )
     if split:

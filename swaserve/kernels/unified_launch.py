@@ -4,6 +4,8 @@ what lets a launch be captured, and what keeps a query's reduction order fixed."
 
 from __future__ import annotations
 
+import os
+
 import triton
 
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
@@ -14,6 +16,14 @@ MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at 
 # (1-5%), request programs at 192 and more (3-11%), within 1-4% of the default kernel there.
 REQUEST_PROGRAM_WAVES = 1.25
 PROGRAMS = ("block", "chunk", "request")
+# SWASERVE_UNIFIED_FLAT=1 (opt-in, not yet run on a GPU): extend programs reduce their keys in one loop
+# (`unified_reduce._keys_flat`, the same bits) with 5 pipeline stages at d256 in bf16, so the next key block's
+# K/V loads across a chunk's end. Compiled for sm_90 with Triton 3.6 on a CPU (1B and 4B heads, 64-row tiles):
+# three K/V buffers in flight instead of one, spills 264 -> 76 B a thread, 232,448 B of shared memory (the
+# limit); the unified extend measured 1.6-2.7x slower than the default mode's kernel at 4 x 2048 tokens
+# (H200, benchmarks/results/h200_unified_extend_tiles_2026-11-29.log), mostly its 64 rows a key block and
+# no load overlapping the block's math: this is to measure (`gpu_suite.sh unified_flat`).
+UNIFIED_FLAT = os.environ.get("SWASERVE_UNIFIED_FLAT") == "1"
 
 
 def extend_tile_queries(group: int, rows: int = BLOCK_M) -> int:
@@ -45,13 +55,16 @@ def extend_tile_rows(tokens: int, group_p: int, kv_heads: int, sms: int) -> int:
     return floor
 
 
-def extend_launch(rows: int, block_d: int, elem_bytes: int) -> tuple[int, int, int]:
+def extend_launch(rows: int, block_d: int, elem_bytes: int, flat: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of an extend program of `rows` rows: `unified_config`'s, with 4 warps
     and at most 2 stages for a 16-row tile (1B and 4B at 512-1024 tokens: 16 x 4 x 2 within 5% of the best
-    16-row setting or faster; 16 x 8 x 3 up to 1.5x slower, same sweep)."""
+    16-row setting or faster; 16 x 8 x 3 up to 1.5x slower, same sweep); `flat` (`UNIFIED_FLAT`): 5 stages
+    for 32 and 64 rows at d256 in bf16."""
     block_n, warps, stages = unified_config(block_d, elem_bytes)
     if rows <= DECODE_BLOCK_M:
         return block_n, 4, min(stages, 2)
+    if flat and block_d == 256 and elem_bytes == 2:
+        return block_n, warps, 5
     return block_n, warps, stages
 
 

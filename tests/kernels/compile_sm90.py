@@ -38,6 +38,7 @@ qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
 store_kv = importlib.import_module("swaserve.kernels.store_kv")
 unified_attention = importlib.import_module("swaserve.kernels.unified_attention")
+extend_launch = importlib.import_module("swaserve.kernels.unified_launch").extend_launch
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMEM = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
@@ -190,13 +191,18 @@ def _attention_cases() -> list[tuple]:
                           lambda qe=qe, kve=kve, ip=ip, ix=ix, w=1024 if d == 256 else None:
                           extend_attention.extend_attention(qe, kve[:4], kve[:4], torch.zeros_like(qe), kve, kve, ip,
                                                             ip, ix, ip[:4], 1.0, max_extend_len=4, window=w)))
-            # the unified kernel's extend program (its launch settings: `unified_launch.unified_config`)
-            cases.append((f"unified extend[d{d} g{hq // hkv}, {'bf16' if dtype == torch.bfloat16 else 'fp32'}]",
-                          unified_attention, "_unified_kernel",
-                          lambda qe=qe, kve=kve, w=1024 if d == 256 else None: unified_attention.unified_attention(
-                              qe, torch.zeros_like(qe), kve, kve, torch.zeros(8, 1024, dtype=torch.int32),
-                              torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
-                              torch.zeros(5, dtype=torch.int32), 1.0, max_extend_len=4, window=w)))
+            # the unified kernel's extend program on its 64-row tile (a long prefill's; launch settings:
+            # `unified_launch.extend_launch`), and for d256 bf16 its one-loop form (`flat`: 5 stages)
+            for flat in (False, True) if d == 256 and dtype == torch.bfloat16 else (False,):
+                launch = (64, *extend_launch(64, d, qe.element_size(), flat)[1:])
+                cases.append((f"unified extend{' flat' if flat else ''}[d{d} g{hq // hkv}, "
+                              f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}]", unified_attention, "_unified_kernel",
+                              lambda qe=qe, kve=kve, w=1024 if d == 256 else None, launch=launch, flat=flat:
+                              unified_attention.unified_attention(
+                                  qe, torch.zeros_like(qe), kve, kve, torch.zeros(8, 1024, dtype=torch.int32),
+                                  torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
+                                  torch.zeros(5, dtype=torch.int32), 1.0, max_extend_len=4, window=w, launch=launch,
+                                  flat=flat)))
     return cases
 
 

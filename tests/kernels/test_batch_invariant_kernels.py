@@ -196,6 +196,33 @@ def test_unified_extend_tile_height_changes_no_bits(window, dtype, device, seed)
     assert torch.equal(dec[0], outs[0][28])
 
 
+@pytest.mark.parametrize("window", [8, 100, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unified_extend_flat_loop_gives_the_chunked_bits(window, dtype, device, seed):
+    """`flat` (`SWASERVE_UNIFIED_FLAT`): an extend program's keys in one loop, each block folded into its
+    chunk's state and the chunk into the result at its last block, gives the chunk loop's bits: chunks of one
+    and of two key blocks, the engine's (one chunk here), a tile's keys starting mid-chunk (window 100)."""
+    H, Hkv, D = 8, 2, 32
+    reqs = [(0, 21), (5, 7), (7, 1), (60, 20), (120, 70), (300, 40)]
+    swa_from = [max(0, p - window + 1) for p, _ in reqs] if window else None
+    for chunk in (64, 128, None):
+        outs = []
+        for flat in (False, True):
+            g = torch.Generator().manual_seed(seed)
+            pools = make_pools([p + n for p, n in reqs], Hkv, D, D, dtype, g, device, swa_from=swa_from)
+            swa = window is not None
+            T = sum(n for _, n in reqs)
+            q = torch.randn(T, H, D, generator=g).to(dtype).to(device)
+            out = torch.full((T, H, D), float("nan"), dtype=dtype, device=device)
+            qo = torch.tensor([0] + [n for _, n in reqs], device=device).cumsum(0).int()
+            seq = torch.tensor([p + n for p, n in reqs], dtype=torch.int32, device=device)
+            unified_attention(q, out, *((pools.k_swa, pools.v_swa) if swa else (pools.k_full, pools.v_full)),
+                              pools.req_to_token, pools.rows[: len(reqs)], seq, qo, 0.125, max_extend_len=70,
+                              window=window, full_to_swa=pools.full_to_swa if swa else None, chunk=chunk, flat=flat)
+            outs.append(out)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), chunk
+
+
 def test_extend_tile_rows_fill_the_sms():
     """The tallest extend tile whose programs fill 7/8 of the SMs (132), never below a GQA group or 16 rows."""
     assert extend_tile_rows(512, 4, 1, 132) == 16  # Gemma-3-1B: 32 / 64 / 128 programs
