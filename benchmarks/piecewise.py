@@ -78,8 +78,6 @@ def profile_step(steps: Steps, parts, pw, repeats: int) -> dict:
     graph replays, and GPU kernel ms (torch.profiler, kernels inside graphs included)."""
     import time
 
-    from torch.profiler import ProfilerActivity, profile
-
     spent = {"attend": 0.0, "replay": 0.0}
     attend, replay = pw._attend, torch.cuda.CUDAGraph.replay
 
@@ -112,27 +110,18 @@ def profile_step(steps: Steps, parts, pw, repeats: int) -> dict:
     finally:
         del pw._attend
         torch.cuda.CUDAGraph.replay = replay
-    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
-        for _ in range(repeats):
-            steps.runner.greedy_tokens(steps.runner.forward_hidden(steps.batch(parts)))
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    kernels = sum(e.self_device_time_total for e in events) / 1000 / repeats
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
+    kernels, top = kernel_table(steps, parts, repeats, 6, 60)
     return dict(wall_ms=sorted(walls)[len(walls) // 2], host_ms=sorted(hosts)[len(hosts) // 2],
                 attend_host_ms=1000 * spent["attend"] / repeats, replay_host_ms=1000 * spent["replay"] / repeats,
-                gpu_kernel_ms=kernels, top_kernels=[(e.key[:60], e.self_device_time_total / 1000 / repeats, e.count // repeats)
-                                                    for e in top], attention_sites=len(pw.sites[next(s for s in pw.sizes
+                gpu_kernel_ms=kernels, top_kernels=top, attention_sites=len(pw.sites[next(s for s in pw.sizes
                                                                         if s >= sum(p[3] for p in parts))]))
 
 
-def profile_whole(steps: Steps, parts, whole, repeats: int, top: int = 14) -> dict:
-    """A step through whole extend graphs (`--profile --whole`): wall ms (CUDA events, median), GPU kernel
-    ms and its largest kernels (torch.profiler, kernels inside the graph included)."""
+def kernel_table(steps: Steps, parts, repeats: int, top: int, width: int) -> tuple[float, list]:
+    """GPU kernel ms of a step through the runner's current graphs (torch.profiler, kernels inside graphs
+    included; mean over `repeats`) and its `top` kernels as (name cut to `width`, ms, launches) per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    steps.runner.piecewise = whole
-    wall, _ = steps.run(parts, whole, repeats)
     with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(repeats):
             steps.runner.greedy_tokens(steps.runner.forward_hidden(steps.batch(parts)))
@@ -140,8 +129,15 @@ def profile_whole(steps: Steps, parts, whole, repeats: int, top: int = 14) -> di
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     kernels = sum(e.self_device_time_total for e in events) / 1000 / repeats
     ranked = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
-    return dict(wall_ms=wall, gpu_kernel_ms=kernels,
-                top_kernels=[(e.key[:70], e.self_device_time_total / 1000 / repeats, e.count // repeats) for e in ranked])
+    return kernels, [(e.key[:width], e.self_device_time_total / 1000 / repeats, e.count // repeats) for e in ranked]
+
+
+def profile_whole(steps: Steps, parts, whole, repeats: int, top: int = 14) -> dict:
+    """A step through whole extend graphs (`--profile --whole`): wall ms (CUDA events, median), GPU kernel
+    ms and its largest kernels."""
+    wall, _ = steps.run(parts, whole, repeats)  # (leaves `whole` as the runner's graphs)
+    kernels, ranked = kernel_table(steps, parts, repeats, top, 70)
+    return dict(wall_ms=wall, gpu_kernel_ms=kernels, top_kernels=ranked)
 
 
 def main(argv: list[str] | None = None) -> None:

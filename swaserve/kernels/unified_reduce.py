@@ -48,43 +48,57 @@ def _row_sum(p, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr)
 
 
 @triton.jit
+def _block(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, j0, lo, hi, q_pos, rmask, kvh, dk, dv, qk_scale,
+           softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh, DK: tl.constexpr,
+           DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr,
+           HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr,
+           E4M3_ASM: tl.constexpr):
+    """The softmax state (m, l, acc) of the key block at positions j0 .. j0 + BLOCK_N - 1, from zero, over the
+    keys lo..hi the tile sees. Position p's slot is `req_to_token[row, p - pos0]` (a request table, or a
+    decode step's window slot table)."""
+    kp = j0 + tl.arange(0, BLOCK_N)
+    # Only keys some query of the tile sees are read: older SWA slots may be freed.
+    kmask = (kp >= lo) & (kp <= hi)
+    slot = tl.load(req_to_token + row * stride_r2t + (kp - pos0), mask=kmask, other=0).to(tl.int64)
+    if HAS_MAP:  # SWA-pool layer: prefix and new tokens alike through full_to_swa
+        slot = tl.load(full_to_swa + slot, mask=kmask, other=0).to(tl.int64)
+    k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],
+                  mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
+    v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
+                  mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    s = _scores(_dot_rows(q_t, tl.trans(_e4m3_tile(k_t, q_t.dtype, E4M3_ASM)), UPCAST, PREC, ROWWISE),
+                qk_scale, softcap, HAS_SOFTCAP)
+    vis = rmask[:, None] & kmask[None, :] & (kp[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        vis = vis & (q_pos[:, None] - kp[None, :] < window)
+    s = tl.where(vis, s, float("-inf"))
+    # The block's state from zero, its row sum on the MMA (`_row_sum`): a row's bits do not
+    # depend on how many rows its tile has (decode and extend tiles differ in height).
+    m = tl.max(s, axis=1)
+    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None]).to(q_t.dtype)
+    l = _row_sum(p, UPCAST, PREC, ROWWISE)
+    acc = _dot_rows(p, _e4m3_tile(v_t, q_t.dtype, E4M3_ASM), UPCAST, PREC, ROWWISE)
+    return m, l, acc
+
+
+@triton.jit
 def _keys(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, first, last, lo, hi, q_pos, rmask, kvh, dk,
           dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
           DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_DV: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
           UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr, E4M3_ASM: tl.constexpr):
     """The tile's softmax state over the aligned key blocks of positions first..last that some row
-    sees (keys lo..hi): each block's state from zero, folded in block order. Position p's slot is
-    `req_to_token[row, p - pos0]` (a request table, or a decode step's window slot table). One
-    block's state is the block's partial bit for bit (an empty state takes a partial exactly)."""
+    sees (keys lo..hi): each block's state from zero (`_block`), folded in block order. One block's
+    state is the block's partial bit for bit (an empty state takes a partial exactly)."""
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     L = tl.zeros([BLOCK_M], tl.float32)
     ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     start = tl.maximum(first, lo // BLOCK_N * BLOCK_N)
     end = tl.minimum(last, hi)
     for j0 in range(start, end + 1, BLOCK_N):
-        kp = j0 + tl.arange(0, BLOCK_N)
-        # Only keys some query of the tile sees are read: older SWA slots may be freed.
-        kmask = (kp >= lo) & (kp <= hi)
-        slot = tl.load(req_to_token + row * stride_r2t + (kp - pos0), mask=kmask, other=0).to(tl.int64)
-        if HAS_MAP:  # SWA-pool layer: prefix and new tokens alike through full_to_swa
-            slot = tl.load(full_to_swa + slot, mask=kmask, other=0).to(tl.int64)
-        k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],
-                      mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
-                      mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        s = _scores(_dot_rows(q_t, tl.trans(_e4m3_tile(k_t, q_t.dtype, E4M3_ASM)), UPCAST, PREC, ROWWISE),
-                    qk_scale, softcap, HAS_SOFTCAP)
-        vis = rmask[:, None] & kmask[None, :] & (kp[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (q_pos[:, None] - kp[None, :] < window)
-        s = tl.where(vis, s, float("-inf"))
-        # The block's state from zero, its row sum on the MMA (`_row_sum`): a row's bits do not
-        # depend on how many rows its tile has (decode and extend tiles differ in height).
-        m = tl.max(s, axis=1)
-        p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None]).to(q_t.dtype)
-        l = _row_sum(p, UPCAST, PREC, ROWWISE)
-        acc = _dot_rows(p, _e4m3_tile(v_t, q_t.dtype, E4M3_ASM), UPCAST, PREC, ROWWISE)
+        m, l, acc = _block(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, j0, lo, hi, q_pos, rmask, kvh,
+                           dk, dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
+                           DK, DV, BLOCK_N, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE, E4M3_ASM)
         M, L, ACC = _fold(M, L, ACC, m, l, acc)
     return M, L, ACC
 
@@ -97,36 +111,18 @@ def _keys_flat(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, lo, hi, 
                HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROWWISE: tl.constexpr,
                E4M3_ASM: tl.constexpr):
     """An extend program's whole reduction (keys lo..hi) as one loop over its key blocks: each block's state
-    from zero folded into its chunk's state, the chunk's state folded into the result at the chunk's last
+    (`_block`) folded into its chunk's state, the chunk's state folded into the result at the chunk's last
     block (or the tile's). The same folds in the same order as `_keys` per chunk then `_fold` per chunk, so
     the same bits (a chunk no block of which is visited is an empty fold either way); one loop lets the
     compiler keep the next block's K/V loading across a chunk's end (`SWASERVE_UNIFIED_FLAT`)."""
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     L = tl.zeros([BLOCK_M], tl.float32)
     ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    CM = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    CL = tl.zeros([BLOCK_M], tl.float32)
-    CACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    CM, CL, CACC = M, L, ACC  # the chunk's state
     for j0 in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
-        kp = j0 + tl.arange(0, BLOCK_N)
-        kmask = (kp >= lo) & (kp <= hi)
-        slot = tl.load(req_to_token + row * stride_r2t + (kp - pos0), mask=kmask, other=0).to(tl.int64)
-        if HAS_MAP:
-            slot = tl.load(full_to_swa + slot, mask=kmask, other=0).to(tl.int64)
-        k_t = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + dk[None, :],
-                      mask=kmask[:, None] & (dk[None, :] < DK), other=0.0)
-        v_t = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + dv[None, :],
-                      mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        s = _scores(_dot_rows(q_t, tl.trans(_e4m3_tile(k_t, q_t.dtype, E4M3_ASM)), UPCAST, PREC, ROWWISE),
-                    qk_scale, softcap, HAS_SOFTCAP)
-        vis = rmask[:, None] & kmask[None, :] & (kp[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (q_pos[:, None] - kp[None, :] < window)
-        s = tl.where(vis, s, float("-inf"))
-        m = tl.max(s, axis=1)
-        p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None]).to(q_t.dtype)
-        l = _row_sum(p, UPCAST, PREC, ROWWISE)
-        acc = _dot_rows(p, _e4m3_tile(v_t, q_t.dtype, E4M3_ASM), UPCAST, PREC, ROWWISE)
+        m, l, acc = _block(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, j0, lo, hi, q_pos, rmask, kvh,
+                           dk, dv, qk_scale, softcap, window, stride_r2t, stride_kt, stride_kh, stride_vt, stride_vh,
+                           DK, DV, BLOCK_N, HAS_WINDOW, HAS_MAP, HAS_SOFTCAP, UPCAST, PREC, ROWWISE, E4M3_ASM)
         CM, CL, CACC = _fold(CM, CL, CACC, m, l, acc)
         if ((j0 + BLOCK_N) % CHUNK == 0) | (j0 + BLOCK_N > hi):  # the chunk's (or the tile's) last block
             M, L, ACC = _fold(M, L, ACC, CM, CL, CACC)
