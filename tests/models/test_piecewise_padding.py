@@ -132,7 +132,12 @@ def run_lockstep(family: str, path, backend: str, deterministic: bool = False, t
 
 def test_token_sizes():
     assert piecewise_token_sizes(4096)[:8] == [8, 16, 32, 64, 96, 128, 192, 256]
-    assert piecewise_token_sizes(4096)[-3:] == [2048, 3072, 4096]
+    assert piecewise_token_sizes(2048)[8:16] == [320, 384, 448, 512, 640, 768, 896, 1024]
+    assert piecewise_token_sizes(4096)[-3:] == [3584, 3840, 4096]
+    sizes = piecewise_token_sizes(2048)
+    for t in range(8, 2049):  # the padding a live step of t tokens pays: < t to 64, then < 1/2, 1/4 past 256,
+        n = next(s for s in sizes if s >= t)  # 1/8 past 1024
+        assert n - t < (t / 8 if t > 1024 else t / 4 if t > 256 else t / 2 if t > 64 else t), (t, n)
     assert piecewise_token_sizes(100) == [8, 16, 32, 64, 96, 100]
     assert piecewise_token_sizes(5) == [5]
 
