@@ -41,7 +41,8 @@ SHAPES = {"1b": (4, 1, 256), "4b": (8, 4, 256), "12b": (16, 8, 256), "tiny": (2,
 SETTINGS = [(16, 4, 2), (16, 4, 3), (16, 8, 2), (64, 4, 2)]
 # (rows, warps, stages) of an extend program; 16- and 32-row tiles: more programs where a short prefill's
 # 64-row tiles leave most SMs idle (1B, 512 tokens: 32 tiles of 16 tokens x 4 heads on 132 SMs)
-# (64, 8, 5) and (32, 8, 5): the one-loop form's stages (SWASERVE_UNIFIED_FLAT=1 runs every setting in that form)
+# (64, 8, 5) and (32, 8, 5): the one-loop form's stages (every setting runs in that form where the device holds it,
+# `unified_launch.flat_extend`; SWASERVE_UNIFIED_FLAT=0 / 1 forces the chunk loop / the one loop)
 EXTEND_SETTINGS = [(64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3),
                    (16, 4, 2), (16, 4, 3), (16, 8, 3), (64, 8, 5), (32, 8, 5)]
 

@@ -31,13 +31,13 @@ from swaserve.kernels.kv_quant import fp8_cvt_asm, kv_scale_args
 from swaserve.kernels.unified_launch import (
     BLOCK_M,
     PROGRAMS,
-    UNIFIED_FLAT,
     decode_chunks,
     decode_config,
     decode_programs,
     extend_launch,
     extend_tile_queries,
     extend_tile_rows,
+    flat_extend,
     unified_config,
 )
 from swaserve.kernels.unified_reduce import _fold, _keys, _keys_flat, _merge_kernel, key_chunk
@@ -184,7 +184,7 @@ def unified_attention(
     v_scale: torch.Tensor | None = None,
     work: torch.Tensor | None = None,  # [2, W] int32: extend tiles (`unified_work.extend_tiles`), the grid's
     tile_rows: int | None = None,  # with `work`: the rows of the tiles it lists (`extend_tile_queries(group, rows)`)
-    flat: bool | None = None,  # extend: one loop over the key blocks (None: `UNIFIED_FLAT`, off for FP8 pools)
+    flat: bool | None = None,  # extend: one loop over the key blocks (None: `flat_extend`, off for FP8 pools)
 ) -> torch.Tensor:
     """Query i of request b sits at `seq_lens[b] - n_b + i` and sees keys p-W+1 .. p (0 .. p without a
     window), read at `req_to_token[row_b, pos]` (translated by `full_to_swa` when given). Padded rows
@@ -219,7 +219,7 @@ def unified_attention(
         assert tile_rows is not None and tile_rows >= max(16, group_p) and tile_rows in (16, 32, 64), tile_rows
     rows = BLOCK_M if decode else tile_rows if work is not None else extend_rows(T, group, HKV, k_buf)
     if flat is None:
-        flat = UNIFIED_FLAT and not decode and k_buf.element_size() != 1
+        flat = not decode and k_buf.element_size() != 1 and flat_extend(q.device)
     block_n, warps, stages = extend_launch(rows, max(bdk, bdv), q.element_size(), flat)
     max_context = req_to_token.shape[1]
     chunk = chunk or key_chunk(max_context)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 
 BLOCK_M = 64  # rows of an extend tile: (token, query head of the kv head's group) pairs
@@ -16,14 +17,30 @@ MAX_BLOCK_PARTIALS = 256  # per-block decode programs only where a query has at 
 # (1-5%), request programs at 192 and more (3-11%), within 1-4% of the default kernel there.
 REQUEST_PROGRAM_WAVES = 1.25
 PROGRAMS = ("block", "chunk", "request")
-# SWASERVE_UNIFIED_FLAT=1 (opt-in, not yet run on a GPU): extend programs reduce their keys in one loop
-# (`unified_reduce._keys_flat`, the same bits) with 5 pipeline stages at d256 in bf16, so the next key block's
-# K/V loads across a chunk's end. Compiled for sm_90 with Triton 3.6 on a CPU (1B and 4B heads, 64-row tiles):
-# three K/V buffers in flight instead of one, spills 264 -> 76 B a thread, 232,448 B of shared memory (the
-# limit); the unified extend measured 1.6-2.7x slower than the default mode's kernel at 4 x 2048 tokens
-# (H200, benchmarks/results/h200_unified_extend_tiles_2026-11-29.log), mostly its 64 rows a key block and
-# no load overlapping the block's math: this is to measure (`gpu_suite.sh unified_flat`).
-UNIFIED_FLAT = os.environ.get("SWASERVE_UNIFIED_FLAT") == "1"
+# Extend programs reduce their keys in one loop (`unified_reduce._keys_flat`, the chunk loop's bits) where
+# the device holds its launch (5 pipeline stages at d256 in bf16, 232,448 B of shared memory: sm_90's limit),
+# so the next key block's K/V loads across a chunk's end. One H200, us a layer, chunk loop -> one loop at each
+# shape's default tile (benchmarks/results/h200_unified_flat_2026-11-29.log): 1B 1x1024 full / sliding 54.3 /
+# 44.8 -> 52.1 / 37.6 (32 rows), 4B 1x1024 65.1 / 55.9 -> 63.9 / 50.4, 1B 4x2048 305.1 / 204.8 -> 290.2 /
+# 183.8, 4B 4x2048 554.8 / 386.4 -> 520.2 / 338.7 (64 rows); in the 1B shape's whole-graph steps of 512-2048
+# tokens 11-20% less attention time, the steps 1-5% shorter. SWASERVE_UNIFIED_FLAT=0 / 1: off / on whatever
+# the device.
+UNIFIED_FLAT = {"0": False, "1": True}.get(os.environ.get("SWASERVE_UNIFIED_FLAT", ""))
+FLAT_SHARED_MEMORY = 232_448
+_FLAT: dict[torch.device, bool] = {}
+
+
+def flat_extend(device: torch.device) -> bool:
+    """Whether extend launches on `device` take the one-loop form: `UNIFIED_FLAT` when set, else where the
+    device's shared memory a block may opt into holds its 64-row launch (Hopper and later)."""
+    if UNIFIED_FLAT is not None:
+        return UNIFIED_FLAT
+    if device.type != "cuda":
+        return False
+    if device not in _FLAT:
+        props = torch.cuda.get_device_properties(device)
+        _FLAT[device] = getattr(props, "shared_memory_per_block_optin", 0) >= FLAT_SHARED_MEMORY
+    return _FLAT[device]
 
 
 def extend_tile_queries(group: int, rows: int = BLOCK_M) -> int:
@@ -58,8 +75,9 @@ def extend_tile_rows(tokens: int, group_p: int, kv_heads: int, sms: int) -> int:
 def extend_launch(rows: int, block_d: int, elem_bytes: int, flat: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of an extend program of `rows` rows: `unified_config`'s, with 4 warps
     and at most 2 stages for a 16-row tile (1B and 4B at 512-1024 tokens: 16 x 4 x 2 within 5% of the best
-    16-row setting or faster; 16 x 8 x 3 up to 1.5x slower, same sweep); `flat` (`UNIFIED_FLAT`): 5 stages
-    for 32 and 64 rows at d256 in bf16."""
+    16-row setting or faster; 16 x 8 x 3 up to 1.5x slower, same sweep); `flat` (`flat_extend`): 5 stages
+    for 32 and 64 rows at d256 in bf16 (at 32 rows 3 and 5 stages measured within 3-7% of each other, either
+    way round: the sweep's 1B 1x1024 layers favoured 3, the whole-graph steps 5)."""
     block_n, warps, stages = unified_config(block_d, elem_bytes)
     if rows <= DECODE_BLOCK_M:
         return block_n, 4, min(stages, 2)

@@ -16,7 +16,8 @@ from swaserve.kernels import bi_matmul
 from swaserve.kernels.bi_matmul import Tiling, bi_linear, tiling
 from swaserve.kernels.index_builders import window_slots
 from swaserve.kernels.unified_attention import PROGRAMS, decode_programs, unified_attention
-from swaserve.kernels.unified_launch import extend_tile_rows
+from swaserve.kernels import unified_launch
+from swaserve.kernels.unified_launch import extend_launch, extend_tile_rows, flat_extend
 
 
 # ---- bi_linear -------------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def test_unified_extend_tile_height_changes_no_bits(window, dtype, device, seed)
 @pytest.mark.parametrize("window", [8, 100, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unified_extend_flat_loop_gives_the_chunked_bits(window, dtype, device, seed):
-    """`flat` (`SWASERVE_UNIFIED_FLAT`): an extend program's keys in one loop, each block folded into its
+    """`flat` (`unified_launch.flat_extend`): an extend program's keys in one loop, each block folded into its
     chunk's state and the chunk into the result at its last block, gives the chunk loop's bits: chunks of one
     and of two key blocks, the engine's (one chunk here), a tile's keys starting mid-chunk (window 100)."""
     H, Hkv, D = 8, 2, 32
@@ -233,6 +234,18 @@ def test_extend_tile_rows_fill_the_sms():
     assert extend_tile_rows(8, 4, 1, 132) == 16
     assert extend_tile_rows(8, 32, 1, 132) == 32  # a tile holds a whole GQA group
     assert extend_tile_rows(8, 64, 1, 132) == 64
+
+
+def test_flat_extend_where_the_device_holds_it(monkeypatch):
+    """The one-loop form is the default where a block may take sm_90's shared memory (its 32- and 64-row
+    launches at d256 bf16 take 5 stages); SWASERVE_UNIFIED_FLAT forces either way."""
+    assert not flat_extend(torch.device("cpu"))
+    monkeypatch.setattr(unified_launch, "UNIFIED_FLAT", True)
+    assert flat_extend(torch.device("cpu"))
+    assert extend_launch(64, 256, 2, flat=True) == extend_launch(32, 256, 2, flat=True) == (64, 8, 5)
+    assert extend_launch(64, 256, 2, flat=False) == extend_launch(32, 256, 2, flat=False) == (64, 8, 3)
+    assert extend_launch(64, 256, 4, flat=True) == extend_launch(64, 256, 4, flat=False)  # fp32: no room
+    assert extend_launch(16, 256, 2, flat=True) == (64, 4, 2)
 
 
 def test_unified_extend_from_a_first_row_leaves_the_rows_before_it(device, seed):
