@@ -24,7 +24,7 @@ from swaserve.loader import LoadedModel
 from swaserve.model_config import ModelConfig
 from swaserve.request import RequestOutput, SamplingParams
 from swaserve.request_group import RequestGroup, SeqDelta, group_outputs, seq_deltas
-from swaserve.scheduler.req import Req
+from swaserve.scheduler.req import Req, ReqStatus
 
 if TYPE_CHECKING:
     from swaserve.distributed.lead import TensorParallel
@@ -253,7 +253,8 @@ class Engine:
         nxt = self._inflight if self._inflight is not None and self._inflight.deferred is not None else None
         pending = None
         if step.constrained:  # the grammars first: the next step's masks depend on nothing else
-            grammars = [None if r.finished else r.grammar for r in step.reqs]  # (None: skipped)
+            done = ReqStatus.FINISHED  # (`r.finished` inlined: a property call a row)
+            grammars = [None if r.status is done else r.grammar for r in step.reqs]  # (None: skipped)
             if nxt is not None and self.accept_on_worker:
                 pending = accept_later(grammars, tokens)
             else:
@@ -261,7 +262,8 @@ class Engine:
         if nxt is not None:
             # Overlap with constrained rows: the next step's model is running; a worker thread accepts the tokens
             # (`pending`) and fills its masks until it samples (`_advance`), while this step commits.
-            self.launcher.start_masks(nxt, pending)
+            # (requests compare by identity: `nxt.reqs == step.reqs` is one C loop)
+            self.launcher.start_masks(nxt, pending, same_rows=pending is not None and nxt.reqs == step.reqs)
         if step.prompt is not None:  # before the tokens: a request's first delta carries its prompt logprobs
             step.prompt.record()
         progressed = self.scheduler.process_output(step.batch, tokens, logprobs)

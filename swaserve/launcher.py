@@ -92,14 +92,20 @@ class StepLauncher:
             self.sample_deferred(step)
         return step
 
-    def start_masks(self, step: LaunchedStep, accept: PendingAccept | None = None) -> None:
+    def start_masks(self, step: LaunchedStep, accept: PendingAccept | None = None, same_rows: bool = False) -> None:
         """A deferred step's grammars have accepted the tokens before it (the rest of that step is not yet
         committed), or taken them as accepted (`accept`: the worker makes xgrammar's call first): start
         filling its masks on the worker thread, while the step loop commits, schedules the next step and
         the device runs this step's model. A row that ends with the step committing gets a mask it will
-        not need; a row whose grammar ended gets none."""
+        not need; a row whose grammar ended gets none. `same_rows`: `step` runs the requests of the step
+        whose tokens `accept` holds, in its order, so its live rows are the ones `accept_later` listed."""
         assert step.deferred is not None and step.masks is None
-        step.masks = self._start_masks(step.reqs, background=True, accept=accept, constrained=step.constrained)
+        if same_rows and accept is not None and accept.live is not None:
+            if self._mask_rows is None:
+                self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
+            step.masks = start_fill(accept.live, self.vocab_size, self._mask_rows, True, self.grammar_threads, accept)
+        else:
+            step.masks = self._start_masks(step.reqs, background=True, accept=accept, constrained=step.constrained)
         if step.masks is None and accept is not None:  # no row left to fill: the accept alone, here
             accept.run()
             self.grammar_rejected += accept.rejected

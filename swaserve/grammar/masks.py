@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from swaserve.grammar.matcher import PendingAccept, SequenceGrammar
+from swaserve.grammar.matcher import LiveRows, PendingAccept, SequenceGrammar
 from swaserve.h2d import to_device
 
 # Rows per xgrammar thread at least. At 256 constrained rows of the 1B shape, stepped as the server's engine
@@ -189,7 +189,7 @@ _WORKER_LOCK = threading.Lock()
 _SWITCH_INTERVAL = 2e-4
 
 
-def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out: MaskRows | None = None,
+def start_fill(grammars: Sequence[SequenceGrammar | None] | LiveRows, vocab_size: int, out: MaskRows | None = None,
                background: bool = False, threads: int | None = None,
                accept: PendingAccept | None = None) -> MaskJob | None:
     """Fill the masks of `grammars`' live rows (None, or a terminated grammar: a sequence that ended while
@@ -198,21 +198,25 @@ def start_fill(grammars: Sequence[SequenceGrammar | None], vocab_size: int, out:
     the GIL, so the step loop's Python goes on beside it (a thread merely queued would wait for the GIL
     until the loop next released it). `threads`: at most this many xgrammar threads (`fill_threads`).
     `accept`: the tokens the grammars took as accepted (`accept_later`), accepted first by the same job.
-    The grammars must not advance until `result()` returned. None when no row is live: `accept`, if any,
-    is then the caller's to run."""
-    live, rows, handles = [], [], []
-    for i, g in enumerate(grammars):  # one pass over the batch
-        if g is not None and not g.terminated:
-            live.append(g)
-            rows.append(i)
-            handles.append(g.handle)
-    if not live:
+    `grammars` may be the live rows themselves (`LiveRows`) where the caller has them (`PendingAccept.live`,
+    for a step over the rows that accepted), saving a pass over the batch. The grammars must not advance
+    until `result()` returned. None when no row is live: `accept`, if any, is then the caller's to run."""
+    if isinstance(grammars, LiveRows):
+        going, rows, handles, n = grammars
+    else:
+        going, rows, handles, n = [], [], [], len(grammars)
+        for i, g in enumerate(grammars):  # one pass over the batch
+            if g is not None and not g.terminated:
+                going.append(g)
+                rows.append(i)
+                handles.append(g.handle)
+    if not going:
         return None
     words = (vocab_size + 31) // 32
     if out is None:
         out = MaskRows(words)
     assert out.words == words, (out.words, words)
-    job = MaskJob(live, handles, TokenMasks(out.rows(len(live)), rows, len(grammars)), threads, accept)
+    job = MaskJob(going, handles, TokenMasks(out.rows(len(going)), rows, n), threads, accept)
     if not background:
         job.run()
         return job

@@ -4,7 +4,7 @@ by every token the sequence appends (its masks: `grammar/masks.py`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class SequenceGrammar:
@@ -77,6 +77,16 @@ def accept_tokens(grammars: Sequence[SequenceGrammar | None], tokens: Sequence[i
     return sum(not ok for ok in oks)
 
 
+class LiveRows(NamedTuple):
+    """A batch's rows with a live grammar: their grammars, positions in the batch (ascending) and xgrammar
+    core objects, and the batch's size `n`."""
+
+    grammars: list[SequenceGrammar]
+    rows: list[int]
+    handles: list[Any]
+    n: int
+
+
 class PendingAccept:
     """A step's tokens its live grammars took as accepted (`accept_later`) before xgrammar has seen them:
     `run()` makes the one xgrammar call, on the mask worker, right before it fills the next step's masks
@@ -84,14 +94,17 @@ class PendingAccept:
     nothing reads them meanwhile (the step loop's next read is that fill's result). `handles`: xgrammar's
     core objects of `grammars`, gathered by the step loop's pass, so the worker holds the GIL for no pass
     of its own between its two calls. `rejected`: tokens refused (0 unless one was sampled past its row's
-    mask)."""
+    mask). `live`: what the same pass found for a next step over the same rows (`masks.start_fill`'s
+    `live`): the grammars that did not end on their token, with their positions and handles."""
 
-    __slots__ = ("grammars", "handles", "rejected", "tokens")
+    __slots__ = ("grammars", "handles", "live", "rejected", "tokens")
 
-    def __init__(self, grammars: list[SequenceGrammar], handles: list[Any], tokens: list[int]):
+    def __init__(self, grammars: list[SequenceGrammar], handles: list[Any], tokens: list[int],
+                 live: LiveRows | None = None):
         self.grammars = grammars
         self.handles = handles
         self.tokens = tokens
+        self.live = live
         self.rejected = 0
 
     def run(self) -> None:
@@ -109,18 +122,26 @@ def accept_later(grammars: Sequence[SequenceGrammar | None], tokens: Sequence[in
     grammar was live): each live grammar counts its token as accepted now, terminated if it is one of its
     stop tokens (what xgrammar says of a token drawn under the row's mask), so the step loop can go on
     committing the step while a worker thread makes the call (~1-3 us a row, the GIL released). None
-    entries are skipped, as in `accept_tokens`."""
+    entries are skipped, as in `accept_tokens`. The same pass lists the rows whose grammar goes on
+    (`PendingAccept.live`), the next step's fill where it runs over the same rows."""
     live, handles, toks = [], [], []
-    for g, t in zip(grammars, tokens):
+    going, rows, going_handles = [], [], []
+    for i, (g, t) in enumerate(zip(grammars, tokens)):
         if g is None:
             continue
         g.ahead += 1
         if not g.terminated:
+            h = g.handle
             live.append(g)
-            handles.append(g.handle)
+            handles.append(h)
             toks.append(t)
-            g.terminated = t in g.stops
-    return PendingAccept(live, handles, toks) if live else None
+            if t in g.stops:
+                g.terminated = True
+            else:
+                going.append(g)
+                rows.append(i)
+                going_handles.append(h)
+    return PendingAccept(live, handles, toks, LiveRows(going, rows, going_handles, len(grammars))) if live else None
 
 
 def _batch_accept(grammars: list[SequenceGrammar], handles: list[Any], tokens: list[int]) -> Sequence[bool] | None:

@@ -98,7 +98,8 @@ def test_accept_later_on_the_worker_equals_accepting_now(compiled):
     """`accept_later` (the step loop's bookkeeping) and the worker's job (xgrammar's accept, then the fill)
     leave every grammar where `accept_tokens` does, and fill the masks of the same states, for token streams
     drawn under each row's mask (what sampling gives): at once the flags the loop reads (terminated on a
-    stop token), after the job the same next masks; no token refused."""
+    stop token), after the job the same next masks; no token refused. The rows it leaves live
+    (`PendingAccept.live`) are the ones a pass over the grammars finds."""
     import random
 
     rnd = random.Random(1)
@@ -106,7 +107,7 @@ def test_accept_later_on_the_worker_equals_accepting_now(compiled):
     later = [SequenceGrammar(compiled, [0]) for _ in range(12)]
     words = (len(VOCAB) + 31) // 32
     rows = MaskRows(words)
-    for _ in range(10):
+    for step in range(10):
         live = [i for i, g in enumerate(now) if not g.terminated]
         if not live:
             break
@@ -119,7 +120,13 @@ def test_accept_later_on_the_worker_equals_accepting_now(compiled):
         pending = accept_later(later, toks)
         assert pending is not None and len(pending.grammars) == len(live)
         assert [g.terminated for g in later] == [g.terminated for g in now]  # known before xgrammar's call
-        job = start_fill(later, len(VOCAB), rows, background=True, accept=pending)
+        going = [i for i, g in enumerate(later) if not g.terminated]
+        assert pending.live is not None and pending.live.rows == going and pending.live.n == len(later)
+        assert pending.live.grammars == [later[i] for i in going]
+        assert pending.live.handles == [later[i].handle for i in going]
+        # the next step over the same rows fills from the pass `accept_later` made (every other step), or
+        # from a pass of its own
+        job = start_fill(pending.live if step % 2 else later, len(VOCAB), rows, background=True, accept=pending)
         expect = fill_token_masks(now, len(VOCAB))
         if job is None:  # every row ended: the accept is the caller's
             pending.run()
