@@ -27,16 +27,26 @@ _ROWS_PER_THREAD = 64
 _MAX_THREADS = 8
 
 
+_CPUS: dict[int, int] = {}  # by process id (a forked child may run on other CPUs)
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on, read once per process (a system call a step otherwise)."""
+    pid = os.getpid()
+    if pid not in _CPUS:
+        try:
+            _CPUS[pid] = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            _CPUS[pid] = os.cpu_count() or 1
+    return _CPUS[pid]
+
+
 def fill_threads(rows: int, most: int | None = None) -> int:
     """xgrammar threads for filling `rows` masks: one per 64 rows, at most `most` (the `grammar_threads`
     option), by default a quarter of the CPUs this process may run on (xgrammar's "auto" counts the whole
     machine's) and at most 8."""
     if most is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cpus = os.cpu_count() or 1
-        most = min(_MAX_THREADS, cpus // 4)
+        most = min(_MAX_THREADS, _cpus() // 4)
     return max(1, min(most, -(-rows // _ROWS_PER_THREAD)))
 
 
@@ -121,7 +131,7 @@ class MaskJob:
     given one (`accept`, a `PendingAccept`). `result()` waits for it; `fill_seconds` is the time xgrammar
     took (on whichever thread ran it), the accept included; `rejected` the tokens that accept refused."""
 
-    __slots__ = ("accept", "done", "error", "fill_seconds", "grammars", "handles", "masks", "started", "threads")
+    __slots__ = ("accept", "done", "error", "fill_seconds", "grammars", "handles", "masks", "threads")
 
     def __init__(self, grammars: list[SequenceGrammar], handles: list[Any], masks: TokenMasks,
                  threads: int | None = None, accept: PendingAccept | None = None):
@@ -130,7 +140,6 @@ class MaskJob:
         self.threads = threads
         self.masks = masks
         self.accept = accept
-        self.started = threading.Event()
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.fill_seconds = 0.0
@@ -142,7 +151,6 @@ class MaskJob:
     def run(self) -> None:
         try:
             batch = _batch(fill_threads(len(self.grammars), self.threads))
-            self.started.set()  # the submitter goes on once this thread is inside xgrammar (GIL released)
             t0 = time.perf_counter()
             if self.accept is not None:
                 self.accept.run()
@@ -155,7 +163,6 @@ class MaskJob:
         except BaseException as e:  # noqa: BLE001 (handed to whoever waits for the result)
             self.error = e
         finally:
-            self.started.set()
             self.done.set()
 
     def result(self) -> TokenMasks:
@@ -183,9 +190,9 @@ _WORKER: _Worker | None = None
 _WORKER_LOCK = threading.Lock()
 
 
-# Python's GIL switch interval once a worker's job accepts tokens before its fill: between the two xgrammar
-# calls the worker needs the GIL for a moment, and at the default 5 ms it would wait that long for the
-# step loop, which runs Python all the while, to be made to let go of it.
+# Python's GIL switch interval once a job runs on the worker: the worker needs the GIL for a moment to start
+# a job, between its two xgrammar calls and to finish it, and at the default 5 ms it would wait that long for
+# the step loop, which runs Python all the while, to be made to let go of it.
 _SWITCH_INTERVAL = 2e-4
 
 
@@ -194,9 +201,10 @@ def start_fill(grammars: Sequence[SequenceGrammar | None] | LiveRows, vocab_size
                accept: PendingAccept | None = None) -> MaskJob | None:
     """Fill the masks of `grammars`' live rows (None, or a terminated grammar: a sequence that ended while
     its next step was already launched, samples unconstrained); None when no row has a live grammar.
-    `background`: on the worker thread, returning as soon as it has entered xgrammar, which runs without
-    the GIL, so the step loop's Python goes on beside it (a thread merely queued would wait for the GIL
-    until the loop next released it). `threads`: at most this many xgrammar threads (`fill_threads`).
+    `background`: on the worker thread, returning at once: the worker takes the GIL within the switch
+    interval (0.2 ms) and lets go of it inside xgrammar, which runs without it, so the step loop's Python
+    goes on beside the fill. (Waiting for the worker to be inside xgrammar cost the loop 0.11-0.13 ms of
+    wake-ups a step on an H200 host, `benchmarks/results/h200_structured_outputs_phases_*`.) `threads`: at most this many xgrammar threads (`fill_threads`).
     `accept`: the tokens the grammars took as accepted (`accept_later`), accepted first by the same job.
     `grammars` may be the live rows themselves (`LiveRows`) where the caller has them (`PendingAccept.live`,
     for a step over the rows that accepted), saving a pass over the batch. The grammars must not advance
@@ -220,14 +228,13 @@ def start_fill(grammars: Sequence[SequenceGrammar | None] | LiveRows, vocab_size
     if not background:
         job.run()
         return job
-    if accept is not None and sys.getswitchinterval() > _SWITCH_INTERVAL:
+    if sys.getswitchinterval() > _SWITCH_INTERVAL:
         sys.setswitchinterval(_SWITCH_INTERVAL)
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None or _WORKER.pid != os.getpid():
             _WORKER = _Worker()
         _WORKER.jobs.put(job)
-    job.started.wait()
     return job
 
 

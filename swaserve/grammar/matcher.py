@@ -124,24 +124,26 @@ def accept_later(grammars: Sequence[SequenceGrammar | None], tokens: Sequence[in
     committing the step while a worker thread makes the call (~1-3 us a row, the GIL released). None
     entries are skipped, as in `accept_tokens`. The same pass lists the rows whose grammar goes on
     (`PendingAccept.live`), the next step's fill where it runs over the same rows."""
-    live, handles, toks = [], [], []
-    going, rows, going_handles = [], [], []
+    live, handles, toks, rows = [], [], [], []
+    ended = False
     for i, (g, t) in enumerate(zip(grammars, tokens)):
         if g is None:
             continue
         g.ahead += 1
         if not g.terminated:
-            h = g.handle
             live.append(g)
-            handles.append(h)
+            handles.append(g.handle)
             toks.append(t)
+            rows.append(i)
             if t in g.stops:
-                g.terminated = True
-            else:
-                going.append(g)
-                rows.append(i)
-                going_handles.append(h)
-    return PendingAccept(live, handles, toks, LiveRows(going, rows, going_handles, len(grammars))) if live else None
+                g.terminated = ended = True
+    if not live:
+        return None
+    going = LiveRows(live, rows, handles, len(grammars))
+    if ended:  # (rare: a grammar ended on this token) the rows that go on
+        keep = [j for j, g in enumerate(live) if not g.terminated]
+        going = LiveRows([live[j] for j in keep], [rows[j] for j in keep], [handles[j] for j in keep], len(grammars))
+    return PendingAccept(live, handles, toks, going)
 
 
 def _batch_accept(grammars: list[SequenceGrammar], handles: list[Any], tokens: list[int]) -> Sequence[bool] | None:
