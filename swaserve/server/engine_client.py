@@ -235,10 +235,17 @@ class EngineClient:
             if track is not None:
                 self._post(track, Update(track.sub.index, error=_ENGINE_ERROR))
         now = time.monotonic()
+        tracks, later = self._tracks, []
         for delta in msg.deltas:
-            track = self._tracks.get(delta.request_id)
-            if track is not None:  # None: aborted or stopped here while its step ran
+            track = tracks.get(delta.request_id)
+            if track is None:  # aborted or stopped here while its step ran
+                continue
+            if track.tokens:
+                later.append((track, delta))
+            else:  # a first token: detokenized, posted and so streamed ahead of the running requests' next ones
                 self._on_delta(track, delta, now)
+        for track, delta in later:
+            self._on_delta(track, delta, now)
         self._flush()
 
     def _on_delta(self, track: Track, delta: RequestDelta, now: float) -> None:
