@@ -261,8 +261,8 @@ class Engine:
                 self.stats.grammar_rejected += accept_tokens(grammars, tokens)
         if nxt is not None:
             # Overlap with constrained rows: the next step's model is running; a worker thread accepts the tokens
-            # (`pending`) and fills its masks until it samples (`_advance`), while this step commits.
-            # (requests compare by identity: `nxt.reqs == step.reqs` is one C loop)
+            # (`pending`) and fills its masks until it samples (`_advance`), while this step commits. (Requests
+            # compare by identity: `nxt.reqs == step.reqs` is one C loop.)
             self.launcher.start_masks(nxt, pending, same_rows=pending is not None and nxt.reqs == step.reqs)
         if step.prompt is not None:  # before the tokens: a request's first delta carries its prompt logprobs
             step.prompt.record()
