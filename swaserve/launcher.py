@@ -101,9 +101,8 @@ class StepLauncher:
         whose tokens `accept` holds, in its order, so its live rows are the ones `accept_later` listed."""
         assert step.deferred is not None and step.masks is None
         if same_rows and accept is not None and accept.live is not None:
-            if self._mask_rows is None:
-                self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
-            step.masks = start_fill(accept.live, self.vocab_size, self._mask_rows, True, self.grammar_threads, accept)
+            step.masks = start_fill(accept.live, self.vocab_size, self._mask_buffers(), True, self.grammar_threads,
+                                    accept)
         else:
             step.masks = self._start_masks(step.reqs, background=True, accept=accept, constrained=step.constrained)
         if step.masks is None and accept is not None:  # no row left to fill: the accept alone, here
@@ -202,10 +201,13 @@ class StepLauncher:
             constrained = any(r.grammar is not None for r in reqs)
         if not constrained:
             return None
+        return start_fill([None if r.finished else r.grammar for r in reqs], self.vocab_size, self._mask_buffers(),
+                          background, self.grammar_threads, accept)
+
+    def _mask_buffers(self) -> MaskRows:
         if self._mask_rows is None:
             self._mask_rows = MaskRows((self.vocab_size + 31) // 32)
-        return start_fill([None if r.finished else r.grammar for r in reqs], self.vocab_size, self._mask_rows,
-                          background, self.grammar_threads, accept)
+        return self._mask_rows
 
     def _finish(self, hidden: torch.Tensor, plan: SamplePlan,
                 head_greedy: bool | None = None) -> tuple[SamplerOutput, list | None]:

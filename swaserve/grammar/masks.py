@@ -204,8 +204,9 @@ def start_fill(grammars: Sequence[SequenceGrammar | None] | LiveRows, vocab_size
     `background`: on the worker thread, returning at once: the worker takes the GIL within the switch
     interval (0.2 ms) and lets go of it inside xgrammar, which runs without it, so the step loop's Python
     goes on beside the fill. (Waiting for the worker to be inside xgrammar cost the loop 0.11-0.13 ms of
-    wake-ups a step on an H200 host, `benchmarks/results/h200_structured_outputs_phases_*`.) `threads`: at most this many xgrammar threads (`fill_threads`).
-    `accept`: the tokens the grammars took as accepted (`accept_later`), accepted first by the same job.
+    wake-ups a step on an H200 host, `benchmarks/results/h200_structured_outputs_phases_*`.) `threads`: at
+    most this many xgrammar threads (`fill_threads`). `accept`: the tokens the grammars took as accepted
+    (`accept_later`), accepted first by the same job.
     `grammars` may be the live rows themselves (`LiveRows`) where the caller has them (`PendingAccept.live`,
     for a step over the rows that accepted), saving a pass over the batch. The grammars must not advance
     until `result()` returned. None when no row is live: `accept`, if any, is then the caller's to run."""

@@ -94,8 +94,8 @@ class PendingAccept:
     nothing reads them meanwhile (the step loop's next read is that fill's result). `handles`: xgrammar's
     core objects of `grammars`, gathered by the step loop's pass, so the worker holds the GIL for no pass
     of its own between its two calls. `rejected`: tokens refused (0 unless one was sampled past its row's
-    mask). `live`: what the same pass found for a next step over the same rows (`masks.start_fill`'s
-    `live`): the grammars that did not end on their token, with their positions and handles."""
+    mask). `live`: what the same pass found for a next step over the same rows (`masks.start_fill` takes
+    it for its grammars): the grammars that did not end on their token, with their positions and handles."""
 
     __slots__ = ("grammars", "handles", "live", "rejected", "tokens")
 
@@ -139,10 +139,11 @@ def accept_later(grammars: Sequence[SequenceGrammar | None], tokens: Sequence[in
                 g.terminated = ended = True
     if not live:
         return None
-    going = LiveRows(live, rows, handles, len(grammars))
+    n = len(grammars)
+    going = LiveRows(live, rows, handles, n)
     if ended:  # (rare: a grammar ended on this token) the rows that go on
         keep = [j for j, g in enumerate(live) if not g.terminated]
-        going = LiveRows([live[j] for j in keep], [rows[j] for j in keep], [handles[j] for j in keep], len(grammars))
+        going = LiveRows([live[j] for j in keep], [rows[j] for j in keep], [handles[j] for j in keep], n)
     return PendingAccept(live, handles, toks, going)
 
 
