@@ -5,6 +5,8 @@ and chunking."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -12,13 +14,11 @@ pytest.importorskip("triton", reason="triton is not installed; kernel tests need
 
 from kernel_ref import attend_ref, make_pools, tolerances, window_mask
 
-from swaserve.kernels import bi_matmul
+from swaserve.kernels import bi_matmul, unified_launch
 from swaserve.kernels.bi_matmul import Tiling, bi_linear, tiling
 from swaserve.kernels.index_builders import window_slots
 from swaserve.kernels.unified_attention import PROGRAMS, decode_programs, unified_attention
-from swaserve.kernels import unified_launch
 from swaserve.kernels.unified_launch import extend_launch, extend_tile_rows, flat_extend
-
 
 # ---- bi_linear -------------------------------------------------------------------------------------
 
@@ -198,17 +198,24 @@ def test_unified_extend_tile_height_changes_no_bits(window, dtype, device, seed)
 
 
 @pytest.mark.parametrize("window", [8, 100, None])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unified_extend_flat_loop_gives_the_chunked_bits(window, dtype, device, seed):
+@pytest.mark.parametrize("dtype,H,Hkv,D", [
+    pytest.param(torch.float32, 8, 2, 32, id="fp32-d32"),
+    pytest.param(torch.bfloat16, 8, 2, 32, id="bf16-d32"),
+    pytest.param(torch.bfloat16, 4, 1, 256, id="bf16-d256-1b"),  # on sm_90: the 5-stage launch
+])
+def test_unified_extend_flat_loop_gives_the_chunked_bits(window, dtype, H, Hkv, D, device, seed):
     """`flat` (`unified_launch.flat_extend`): an extend program's keys in one loop, each block folded into its
     chunk's state and the chunk into the result at its last block, gives the chunk loop's bits: chunks of one
-    and of two key blocks, the engine's (one chunk here), a tile's keys starting mid-chunk (window 100)."""
-    H, Hkv, D = 8, 2, 32
+    and of two key blocks, the engine's (one chunk here), a tile's keys starting mid-chunk (window 100). At
+    d256 in bf16 (Gemma 3's heads) also the engine's 32- and 64-row launches (`extend_launch`): on sm_90 the
+    one loop's with 5 pipeline stages against the chunk loop's with 3."""
     reqs = [(0, 21), (5, 7), (7, 1), (60, 20), (120, 70), (300, 40)]
     swa_from = [max(0, p - window + 1) for p, _ in reqs] if window else None
-    for chunk in (64, 128, None):
+    tiles = (None, 32, 64) if D == 256 else (None,)
+    for chunk, rows in itertools.product((64, 128, None), tiles):
         outs = []
         for flat in (False, True):
+            launch = None if rows is None else (rows, *extend_launch(rows, D, 2, flat)[1:])
             g = torch.Generator().manual_seed(seed)
             pools = make_pools([p + n for p, n in reqs], Hkv, D, D, dtype, g, device, swa_from=swa_from)
             swa = window is not None
@@ -219,9 +226,10 @@ def test_unified_extend_flat_loop_gives_the_chunked_bits(window, dtype, device, 
             seq = torch.tensor([p + n for p, n in reqs], dtype=torch.int32, device=device)
             unified_attention(q, out, *((pools.k_swa, pools.v_swa) if swa else (pools.k_full, pools.v_full)),
                               pools.req_to_token, pools.rows[: len(reqs)], seq, qo, 0.125, max_extend_len=70,
-                              window=window, full_to_swa=pools.full_to_swa if swa else None, chunk=chunk, flat=flat)
+                              window=window, full_to_swa=pools.full_to_swa if swa else None, chunk=chunk, flat=flat,
+                              launch=launch)
             outs.append(out)
-        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), chunk
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (chunk, launch)
 
 
 def test_extend_tile_rows_fill_the_sms():
