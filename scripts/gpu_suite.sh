@@ -20,7 +20,7 @@
 # mx_split / mx_lut / mx_lut_default / mx_ncu: MXFP4 experts split over K, converted by table lookups (tests, sweeps,
 # parity, decode; Nsight Compute at one token); decode_all: the 1B / 4B / 26B-A4B / GPT-OSS-20B decode table in one call), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes; pw_profile_whole: the same through whole extend graphs; unified_tiles: the 16- and 32-row extend tiles' tests natively, then pw_profile_whole; unified_gpu: the GPU tests of
-# whole graphs and FP8 pools; unified_flat: the unified extend's one-loop form against the chunk loop), mimo_serve
+# whole graphs and FP8 pools; unified_flat: the unified extend's one-loop form against the chunk loop; flat_bits: its bit tests alone), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
 # outputs vs unconstrained, benchmarks/structured_outputs.py); for issue 34: svo_url (the
 # serving benchmark against a server it did not launch, --base-url); for issue 37: fp8 (block-FP8 kernel
@@ -376,6 +376,10 @@ PY
                 SWASERVE_UNIFIED_FLAT=$flat run "flat_pw_$flat" 150 python3 benchmarks/piecewise.py --shape 1b --kv-mb 16384 \
                     --profile --whole --chunks 512,1024,2048 --mixed 35+512,35+1024,256+768
             done ;;
+        flat_bits)  # issue 39: the one-loop unified extend's bits against the chunk loop's natively, d32 and d256 (the
+            # engine's 32- and 64-row launches: 5 stages on sm_90), ~2-3 minutes
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run flat_bits 300 python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_batch_invariant_kernels.py -k "flat_loop or flat_extend" ;;
         unified_gpu)  # issue 39: whole graphs against eager (and in deterministic mode) and FP8 pools on the GPU
             run unified_gpu 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_unified_fp8_gpu.py \
                 tests/gpu/test_piecewise_gpu.py ;;
