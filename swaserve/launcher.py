@@ -100,7 +100,8 @@ class StepLauncher:
         not need; a row whose grammar ended gets none. `same_rows`: `step` runs the requests of the step
         whose tokens `accept` holds, in its order, so its live rows are the ones `accept_later` listed."""
         assert step.deferred is not None and step.masks is None
-        if same_rows and accept is not None and accept.live is not None:
+        if same_rows:
+            assert accept is not None, "the rows `accept_later` listed"
             step.masks = start_fill(accept.live, self.vocab_size, self._mask_buffers(), True, self.grammar_threads,
                                     accept)
         else:

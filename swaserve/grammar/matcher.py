@@ -99,8 +99,7 @@ class PendingAccept:
 
     __slots__ = ("grammars", "handles", "live", "rejected", "tokens")
 
-    def __init__(self, grammars: list[SequenceGrammar], handles: list[Any], tokens: list[int],
-                 live: LiveRows | None = None):
+    def __init__(self, grammars: list[SequenceGrammar], handles: list[Any], tokens: list[int], live: LiveRows):
         self.grammars = grammars
         self.handles = handles
         self.tokens = tokens

@@ -114,7 +114,7 @@ def _keys_flat(q_t, k_buf, v_buf, req_to_token, full_to_swa, row, pos0, lo, hi, 
     (`_block`) folded into its chunk's state, the chunk's state folded into the result at the chunk's last
     block (or the tile's). The same folds in the same order as `_keys` per chunk then `_fold` per chunk, so
     the same bits (a chunk no block of which is visited is an empty fold either way); one loop lets the
-    compiler keep the next block's K/V loading across a chunk's end (`SWASERVE_UNIFIED_FLAT`)."""
+    compiler keep the next block's K/V loading across a chunk's end (`unified_launch.flat_extend`)."""
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     L = tl.zeros([BLOCK_M], tl.float32)
     ACC = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
