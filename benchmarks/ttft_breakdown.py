@@ -11,6 +11,9 @@ import json
 from typing import Any
 
 OFFLINE_STAGES = ("wait for the step boundary", "engine: add -> first token out")
+# Per request, TTFT less its engine stage: what serving adds is this row's served value less its offline one (the
+# p50 of a sum is not the sum of its stages' p50s).
+OUTSIDE = "all but the engine (TTFT - engine stage)"
 SERVED_STAGES = ("client -> frontend route (HTTP)", "frontend: body, parse, tokenize, send",
                  "frontend -> core (IPC, wait for the running step)",
                  "engine: add -> first token sent", "core -> frontend (IPC)",
@@ -30,13 +33,15 @@ def _read(pattern: str) -> dict[str, list[float]]:
 
 def offline(timings: list[Any]) -> dict[str, list[float]]:
     ok = [t for t in timings if t.first and t.added]
-    return dict(zip(OFFLINE_STAGES, ([t.added - t.arrival for t in ok], [t.first - t.added for t in ok])))
+    waits = [t.added - t.arrival for t in ok]
+    return dict(zip(OFFLINE_STAGES, (waits, [t.first - t.added for t in ok]))) | {OUTSIDE: waits}
 
 
 def served(timings: list[Any], prefix: str) -> dict[str, list[float]]:
     """Stages per request whose first token passed every process (a request is `<response id>-0`)."""
     core, front = _read(f"{prefix}.core*"), _read(f"{prefix}.frontend*")
     stages: list[list[float]] = [[] for _ in SERVED_STAGES]
+    outside: list[float] = []
     for t in timings:
         rid = f"{t.rid}-0"
         if not t.first or rid not in core or rid not in front:
@@ -45,7 +50,8 @@ def served(timings: list[Any], prefix: str) -> dict[str, list[float]]:
         for vals, v in zip(stages, (f_in - t.arrival, f_sent - f_in, c_in - f_sent, c_first - c_in,
                                     f_first - c_first, t.first - f_first)):
             vals.append(v)
-    return dict(zip(SERVED_STAGES, stages))
+        outside.append(t.first - t.arrival - (c_first - c_in))
+    return dict(zip(SERVED_STAGES, stages)) | {OUTSIDE: outside}
 
 
 def pct(values: list[float], q: float) -> float:

@@ -197,11 +197,13 @@ class EngineClient:
         core = self.cores.cores[replica]
         try:
             while True:
-                if not await sock.poll(LIVENESS_POLL_MS):
+                try:  # a plain receive (a poll first would add a zmq Poller and a loop turn to every message)
+                    raw = await asyncio.wait_for(sock.recv(), LIVENESS_POLL_MS / 1000)
+                except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
                     if not core.alive:
                         break
                     continue
-                msg = core.codec.decode_from_core(await sock.recv())
+                msg = core.codec.decode_from_core(raw)
                 if isinstance(msg, StepOutputs):
                     later = self._on_step(replica, msg)
                     if later:  # the first tokens' streams write before the others' next tokens are decoded

@@ -44,4 +44,4 @@ def test_served_breakdown_joins_processes(tmp_path):
     lost = SimpleNamespace(rid="cmpl-y", arrival=10.0, first=10.5)  # not in the traces: left out
     stages = ttft_breakdown.served([client, lost], prefix)
     got = [round(v[0] * 1000, 3) for v in stages.values()]
-    assert got == [1.0, 0.5, 1.5, 16.0, 1.0, 2.0]
+    assert got == [1.0, 0.5, 1.5, 16.0, 1.0, 2.0, 6.0]  # the stages, then TTFT (22) less the engine's 16
