@@ -6,7 +6,8 @@ tok/s of each run and their ratio (goal: constrained >= 90% of unconstrained), T
 submission to the step that returned the first token), the host time spent filling masks (mostly on the
 fill worker's thread) and what of it the step loop waited for, the time it waited for the device to return
 a step's tokens (near 0 where the host is the limit), the tokens a grammar refused (0, else the run fails),
-and the schema's compile time cold (first compile; xgrammar's vocabulary table reported apart) and cached. `--fill-threads 2,4,8` runs the
+and the schema's compile time cold (first compile; xgrammar's vocabulary table reported apart) and cached.
+`--temperature T` times sampled runs (greedy by default). `--fill-threads 2,4,8` runs the
 constrained set again at each most-threads setting of the mask fill (`grammar_threads`). `--repeat` rounds
 run every mode in turn; the table shows each mode's median run (one run of each varied by up to a third
 between rounds on one GPU host). The engine runs
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the timed runs' temperature (0: greedy); > 0 draws in the LM head, the masks applied there")
     ap.add_argument("--fill-threads", default="",
                     help="comma list: the constrained run again with each most-threads setting (grammar_threads)")
     ap.add_argument("--accept-in-loop", action="store_true",
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     # batch in each mode for a few tokens (with two requests only, round 0's unconstrained run on an H200
     # took 17.6 ms a step against 3.2-3.7 in the rounds after it, 2026-11-29)
     for so in (None, spec):
-        run(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=so is None, structured_outputs=so),
+        run(engine, prompts, SamplingParams(temperature=a.temperature, max_tokens=8, ignore_eos=so is None,
+                                            structured_outputs=so),
             "warm" if so is None else "warm-schema")
     modes = [("unconstrained", None, None, True), ("json_schema", spec, None, True)]
     modes += [(f"json_schema t={t}", spec, int(t), True) for t in a.fill_threads.split(",") if t]
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, so, threads, on_worker in modes:
             engine.launcher.grammar_threads = threads  # None: the default
             engine.accept_on_worker = on_worker
-            params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=so is None,
+            params = SamplingParams(temperature=a.temperature, max_tokens=a.output_len, ignore_eos=so is None,
                                     structured_outputs=so)
             row = measured_run(engine, prompts, params, name, a.shape, timer)
             runs[name].append(row)
@@ -134,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                                            for b, c in zip(runs["unconstrained"], runs["json_schema"])],
                           hardware=hardware())), flush=True)
     where = "text built in the step loop (LLM.generate)" if a.detokenize else "engine core as served (frontends detokenize)"
-    print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens on {hardware()}, {where}:")
+    print(f"\nstructured outputs, {a.shape}, {a.num_requests} requests x {a.output_len} tokens, temperature "
+          f"{a.temperature:g}, on {hardware()}, {where}:")
     print(f"  {'mode':<22} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens':>8} {'step ms':>8} "
           f"{'mask fill ms/step':>18} {'mask wait ms/step':>18} {'device wait ms/step':>20} {'refused':>8}")
     for r in rows:

@@ -233,12 +233,13 @@ class StepLauncher:
             return SamplerOutput(logits.argmax(dim=-1), None, None, None), None
         sb = plan.sb
         assert sb is not None
-        # Temperature only: sampled in the LM head (not in deterministic mode: there every draw
-        # goes through the Sampler, so a row's path does not depend on its neighbours' settings;
-        # nor under tensor parallelism, where the head's logits are gathered first).
-        if (masks is None and sb.inv_temperatures is not None and not self.runner.deterministic
-                and self.lead is None):
-            out = SamplerOutput(self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds), None, None, None)
+        # Temperature only: sampled in the LM head, masked rows too (not in deterministic mode: there every
+        # draw goes through the Sampler, so a row's path does not depend on its neighbours' settings; nor
+        # under tensor parallelism, where the head's logits are gathered first).
+        if sb.inv_temperatures is not None and not self.runner.deterministic and self.lead is None:
+            allowed = None if masks is None else self._device_masks(masks)
+            out = SamplerOutput(self.runner.sample_tokens(hidden, sb.inv_temperatures, sb.seeds, allowed),
+                                None, None, None)
         else:
             out = self.sampler(self.runner.logits(hidden) if masks is None else self._masked_logits(hidden, masks), sb)
         return out, ([p.logprobs for p in plan.params] if sb.max_num_logprobs is not None else None)

@@ -135,12 +135,7 @@ class LMHead(nn.Module):
             x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
             if allowed is None:
                 return lm_head_argmax(x, weight, self.final_softcap)
-            masks, rows = allowed
-            index = None
-            if rows is not None:  # row r's mask row, -1 where it has none
-                index = torch.full((x.shape[0],), -1, dtype=torch.int32, device=x.device)
-                index[rows] = torch.arange(rows.shape[0], dtype=torch.int32, device=x.device)
-            return lm_head_argmax(x, weight, self.final_softcap, allowed=masks, allowed_index=index)
+            return lm_head_argmax(x, weight, self.final_softcap, **_mask_args(allowed, x.shape[0], x.device))
         logits = self.forward(hidden, embedding)
         if allowed is not None:
             from swaserve.runner.token_mask import apply_token_bitmask
@@ -178,10 +173,12 @@ class LMHead(nn.Module):
         return vocab_parallel_argmax(best.contiguous(), index + start)
 
     def sample(self, hidden: torch.Tensor, embedding: VocabEmbedding, inv_temperature: torch.Tensor,
-               seeds: torch.Tensor) -> torch.Tensor:
+               seeds: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """`[n]` int64 on CUDA, without writing the logits: a draw from `softmax(logits * inv_t)` per
         row with a positive inverse temperature (Gumbel noise from the row's seed), the argmax where
-        it is 0 (`kernels.lm_head_argmax`)."""
+        it is 0 (`kernels.lm_head_argmax`). `allowed`: structured outputs' masks, as `greedy` takes them;
+        those rows draw among the tokens their mask allows (the softmax of their logits with the others at
+        -inf)."""
         if not hidden.is_cuda or self.batch_invariant or self.parallel:
             raise ValueError("sampling in the LM head runs on CUDA outside deterministic mode and tensor "
                              "parallelism; elsewhere use the logits and the Sampler")
@@ -189,4 +186,15 @@ class LMHead(nn.Module):
 
         weight = embedding.weight if self.tied else self.weight
         x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-        return lm_head_argmax(x, weight, self.final_softcap, inv_temperature, seeds)
+        masked = {} if allowed is None else _mask_args(allowed, x.shape[0], x.device)
+        return lm_head_argmax(x, weight, self.final_softcap, inv_temperature, seeds, **masked)
+
+
+def _mask_args(allowed: tuple[torch.Tensor, torch.Tensor | None], n: int, device: torch.device) -> dict:
+    """`lm_head_argmax`'s mask arguments from `(masks, rows)` (rows None: row r's mask is masks[r])."""
+    masks, rows = allowed
+    index = None
+    if rows is not None:  # row r's mask row, -1 where it has none
+        index = torch.full((n,), -1, dtype=torch.int32, device=device)
+        index[rows] = torch.arange(rows.shape[0], dtype=torch.int32, device=device)
+    return {"allowed": masks, "allowed_index": index}

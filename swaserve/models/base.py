@@ -219,11 +219,12 @@ class CausalLM(nn.Module):
         return self.lm_head.greedy(hidden, self.model.embed_tokens, allowed)
 
     def sample_tokens(
-        self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor
+        self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor,
+        allowed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """`[n, hidden]` -> `[n]` int64 on CUDA: temperature sampling (greedy where `inv_temperature`
-        is 0) without the logits; see `LMHead.sample`."""
-        return self.lm_head.sample(hidden, self.model.embed_tokens, inv_temperature, seeds)
+        is 0) without the logits; `allowed`: structured outputs' masks. See `LMHead.sample`."""
+        return self.lm_head.sample(hidden, self.model.embed_tokens, inv_temperature, seeds, allowed)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -102,8 +102,10 @@ class Eagle3Head(nn.Module):
         the draft vocabulary, `LMHead.greedy`; only the runner's warm-up passes any)."""
         return self.to_target(self.lm_head.greedy(hidden, self.embed_tokens, allowed))  # type: ignore[arg-type]
 
-    def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-        return self.to_target(self.lm_head.sample(hidden, self.embed_tokens, inv_temperature, seeds))  # type: ignore[arg-type]
+    def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor,
+                      allowed: tuple | None = None) -> torch.Tensor:
+        return self.to_target(self.lm_head.sample(hidden, self.embed_tokens, inv_temperature, seeds,  # type: ignore[arg-type]
+                                                  allowed))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -118,9 +118,10 @@ class MiMoMTPHead(nn.Module):
         assert self.lm_head is not None, "share_target() first"
         return self.lm_head.greedy(hidden, self.embed_tokens, allowed)  # type: ignore[arg-type]
 
-    def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    def sample_tokens(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor,
+                      allowed: tuple | None = None) -> torch.Tensor:
         assert self.lm_head is not None, "share_target() first"
-        return self.lm_head.sample(hidden, self.embed_tokens, inv_temperature, seeds)  # type: ignore[arg-type]
+        return self.lm_head.sample(hidden, self.embed_tokens, inv_temperature, seeds, allowed)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], index: int = 0) -> None:

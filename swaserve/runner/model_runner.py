@@ -240,11 +240,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(
-        self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor
+        self, hidden: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor,
+        allowed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """`[n, hidden]` -> `[n]` int64 on CUDA: a draw from `softmax(logits * inv_temperature)` per
-        row (the argmax where it is 0), without writing the logits."""
-        return self.model.sample_tokens(hidden, inv_temperature, seeds)
+        row (the argmax where it is 0), without writing the logits; `allowed` as `greedy_tokens`."""
+        if allowed is None:
+            return self.model.sample_tokens(hidden, inv_temperature, seeds)
+        return self.model.sample_tokens(hidden, inv_temperature, seeds, allowed)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[batch_size, vocab]` float32 of each request's last new token."""

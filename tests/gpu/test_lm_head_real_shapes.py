@@ -120,3 +120,35 @@ def test_head_draws_are_the_samplers_draws(bs):
     _check(head, scores, f"head bs {bs}")
     _check(sampler, scores, f"sampler bs {bs}")
     assert (head != sampler).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("bs", [6, SMALL_M + 9])
+def test_masked_head_draws_are_the_samplers_masked_draws(bs):
+    """Structured outputs with temperature sampling: `LMHead.sample` with bitmasks on every other row (a
+    third of the tokens allowed) draws each seeded row the token the Sampler draws from the masked logits
+    on the same seeds (up to rounding near a tie), and only tokens the row's mask allows."""
+    from swaserve.runner.token_mask import allowed_tokens, apply_token_bitmask
+
+    hidden = 640
+    g = torch.Generator(device=DEV).manual_seed(bs)
+    emb = VocabEmbedding(VOCAB, hidden).to(DEV, torch.bfloat16)
+    emb.weight.data.copy_(torch.randn(VOCAB, hidden, device=DEV, generator=g) * 0.02)
+    head = LMHead(VOCAB, hidden, tied=True).to(DEV)
+    x = torch.randn(bs, hidden, device=DEV, generator=g, dtype=torch.bfloat16)
+    params = [SamplingParams(temperature=0.5 + 0.1 * i, seed=100 + i) if i % 3 else SamplingParams(temperature=0)
+              for i in range(bs)]
+    sb = SamplingBatch.build(params, [[]] * bs, [[]] * bs, VOCAB, DEV)
+    assert sb.inv_temperatures is not None
+    rows = torch.arange(0, bs, 2, device=DEV)
+    masks = torch.randint(-2**31, 2**31 - 1, (rows.numel(), VOCAB // 32), device=DEV, generator=g, dtype=torch.int32)
+    masks &= torch.randint(-2**31, 2**31 - 1, masks.shape, device=DEV, generator=g, dtype=torch.int32)
+    with torch.inference_mode():
+        drawn = head.sample(x, emb, sb.inv_temperatures, sb.seeds, (masks, rows))
+        logits = apply_token_bitmask(head(x, emb), masks, rows)
+        sampler = Sampler()(logits.clone(), sb).next_token_ids
+    inv_t = sb.inv_temperatures[:, None]
+    scores = torch.where(inv_t > 0, logits * inv_t + gumbel_noise(sb.seeds, VOCAB), logits)
+    _check(drawn, scores, f"masked head bs {bs}")
+    _check(sampler, scores, f"masked sampler bs {bs}")
+    allowed = allowed_tokens(masks, VOCAB)
+    assert allowed[torch.arange(rows.numel(), device=DEV), drawn[rows]].all(), "a disallowed token"
