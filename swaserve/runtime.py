@@ -160,6 +160,9 @@ def build_runtime(
         full_to_swa = None
     runner = ModelRunner(config, model, kv, table, full_to_swa, device, dtype, attention_backend=runner_cfg.attention_backend,
                          deterministic=runner_cfg.enable_deterministic_inference)
+    if plan.hybrid:  # the SWA mapping's device mirror written once a step, before the forward reads it
+        allocator.defer_device = True
+        runner.before_forward = allocator.sync_device
     # The tree checks SWA windows only where SWA K/V can be missing: in a hybrid SWA pool.
     prefix_cache = (None if cache.disable_prefix_cache
                     else RadixCache(allocator, config.sliding_window if plan.hybrid else None, check_tree))

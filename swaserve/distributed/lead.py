@@ -175,6 +175,8 @@ class TensorParallel:
         if log is not None:
             log.clear()
         self.channel.send(StepMessage(ops, check=True))
+        if hasattr(rt.allocator, "sync_device"):  # the SWA mapping's writes not yet on the device
+            rt.allocator.sync_device()
         mine = table_digest(rt.req_to_token.req_to_token, getattr(rt.allocator, "full_to_swa_device", None))
         every = gather_digests(mine)
         bad = [r for r in range(every.shape[0]) if not torch.equal(every[r], mine)]

@@ -12,6 +12,8 @@ from torch import nn
 from swaserve.distributed.state import tp_group
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from swaserve.attention.base import AttentionBackend
     from swaserve.memory.req_to_token import ReqToTokenPool
     from swaserve.memory.swa import SWAKVPool
@@ -101,6 +103,9 @@ class ModelRunner:
         # them (`aux_hidden` in the batch scratch). Valid until the next forward.
         self.keep_states = False
         self.step_states: torch.Tensor | None = None
+        # Called first by every forward: the memory layer's deferred table writes (`runtime.build_runtime`
+        # sets the SWA allocator's `sync_device`).
+        self.before_forward: Callable[[], None] | None = None
         # Batch-scratch tensors graph replays carry (set before capture; a drafter head's runtime):
         # per-token inputs of decode and of extend (verify-shaped) graphs, key -> width, and the
         # keys the model writes that callers read after a replay.
@@ -192,6 +197,8 @@ class ModelRunner:
         device; an extend batch, e.g. every token of a speculative verify step) when given. A decode batch reads its inputs from
         `last_tokens`; one that brings its own (tests, teacher forcing) stores them there first, so
         the eager and graph paths see the same inputs."""
+        if self.before_forward is not None:
+            self.before_forward()
         if batch.is_decode and batch.input_ids is not None:
             self.last_tokens.index_copy_(0, batch.req_pool_indices, batch.input_ids)
             self.last_tokens[:1].zero_()  # a padding row in the batch must not leave a token in row 0

@@ -125,6 +125,8 @@ class FrozenKVDrafter:
     @torch.inference_mode()
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
         assert self.states is not None and self.embed is not None, "attach() first"
+        if self.rt.runner.before_forward is not None:  # it reads the target's tables, as its forward does
+            self.rt.runner.before_forward()
         live = [i for i, (r, k) in enumerate(zip(reqs, ks))
                 if k > 0 and r.row is not None and self._keys_live(r)]
         if not live:

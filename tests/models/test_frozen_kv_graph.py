@@ -48,6 +48,7 @@ def decoding_engine(tmp_path, device: str, backend: str = "triton"):
 def poison_free_slots(rt, reqs) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """NaN into every pool slot the live requests do not own; (buffers, owned masks, owned values)."""
     full = torch.cat([rt.req_to_token.slots(r.row, 0, r.kv_len) for r in reqs]).long()
+    rt.allocator.sync_device()
     swa = rt.allocator.full_to_swa_device[full.to(rt.allocator.full_to_swa_device.device)].long()
     owned = {False: full, True: swa[swa > 0]}  # SWA 0: evicted (out of every window)
     bufs, masks, values = [], [], []
@@ -70,6 +71,7 @@ def graph_vs_eager(engine, reqs, runner: FrozenKVGraphRunner) -> list[list[list[
     rt, drafter = engine._runtime, engine.scheduler.speculation.drafter
     bufs, masks, values = poison_free_slots(rt, reqs)
     table = rt.req_to_token.req_to_token.clone()
+    rt.allocator.sync_device()  # the mirror as the next forward sees it (the engine's step may leave it behind)
     mapping = rt.allocator.full_to_swa_device.clone()
     ran, out = [], []
     run = runner.run

@@ -184,6 +184,7 @@ def test_drafting_never_writes_the_target_pools(tmp_path):
             pools.append(buf)
     before = [b.clone() for b in pools]
     table = rt.req_to_token.req_to_token.clone()
+    rt.allocator.sync_device()  # the mirror as the next forward sees it (the engine's step may leave it behind)
     mapping = rt.allocator.full_to_swa_device.clone()
     drafts = drafter.propose(reqs, [3] * len(reqs))
     assert all(len(d) == 3 for d in drafts)

@@ -1,6 +1,6 @@
 """Property tests: random operation sequences over the allocators, with integrity checked after each.
 
-1,000+ random sequences in total (two state machines below). A reference model tracks which full
+1,000+ random sequences in total (three state machines below). A reference model tracks which full
 slots each request owns and which positions it has evicted; after every operation the allocator's
 own `check_integrity` runs with the exact set of owned slots.
 """
@@ -103,6 +103,33 @@ class HybridMemoryMachine(RuleBasedStateMachine):
         self.table.check_integrity()
 
 
+class DeferredMirrorMachine(HybridMemoryMachine):
+    """The same sequences with the mapping's device mirror written only by `sync_device` (the runtime's
+    `defer_device`, synced before each forward): between syncs the mirror differs from the host table at
+    remapped slots only, and a sync (the `forward` rule, any number of rules apart) brings it level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc.defer_device = True
+
+    @rule()
+    def forward(self) -> None:
+        self.alloc.sync_device()
+        assert not self.alloc._dirty
+        assert torch.equal(self.alloc.full_to_swa_device.long(), self.alloc.full_to_swa), "a sync left a stale entry"
+        super().integrity()  # every allocator check, the mirror's included
+
+    @invariant()
+    def integrity(self) -> None:  # (no sync here: the mirror may lag until `forward`)
+        a = self.alloc
+        remapped = torch.zeros(a.full_to_swa.numel(), dtype=torch.bool)
+        for slots in a._dirty:
+            remapped[slots] = True
+        stale = a.full_to_swa_device.long() != a.full_to_swa
+        assert not (stale & ~remapped).any(), "the mirror differs at a slot no write listed"
+        assert a.swa.used() == sum(r["len"] - r["evicted"] for r in self.reqs.values())
+
+
 class PlainAllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -137,5 +164,7 @@ class PlainAllocatorMachine(RuleBasedStateMachine):
 _settings = dict(stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridMemory = HybridMemoryMachine.TestCase
 TestHybridMemory.settings = settings(max_examples=700, **_settings)
+TestDeferredMirror = DeferredMirrorMachine.TestCase
+TestDeferredMirror.settings = settings(max_examples=300, **_settings)
 TestPlainAllocator = PlainAllocatorMachine.TestCase
 TestPlainAllocator.settings = settings(max_examples=400, **_settings)
