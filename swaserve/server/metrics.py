@@ -8,6 +8,7 @@ over the replicas, and each engine family adds one sample per replica (`replica=
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -67,6 +68,7 @@ class Histogram:
         self.name = name
         self.help = help
         self.bounds = tuple(bounds)
+        assert list(self.bounds) == sorted(self.bounds), "histogram bounds must ascend"
         self._counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; last is +Inf
         self._sum = 0.0
         self._lock = threading.Lock()  # observers and renderers may sit on different threads
@@ -74,7 +76,7 @@ class Histogram:
     def observe(self, value: float, times: int = 1) -> None:
         if not math.isfinite(value):
             return
-        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        i = bisect.bisect_left(self.bounds, value)  # the first bucket with value <= bound (a step's ITLs: ~40 a step)
         with self._lock:
             self._counts[i] += times
             self._sum += value * times
