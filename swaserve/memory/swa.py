@@ -183,7 +183,9 @@ class SWATokenToKVPoolAllocator:
         )  # [full_size+2] int32, device
         self.log: list[list] | None = None  # tensor parallelism: mapping writes, for the other ranks
         self.defer_device = False
-        self._dirty: list[torch.Tensor] = []  # full slots (int64, cpu) remapped since the device mirror was written
+        # Full slots (int64, cpu) remapped since the device mirror was written; read at `sync_device`, so a
+        # caller must not change a slot tensor it handed to `free_swa` (none does: slot tensors are copies).
+        self._dirty: list[torch.Tensor] = []
 
     @property
     def size(self) -> int:

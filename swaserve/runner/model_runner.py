@@ -252,8 +252,6 @@ class ModelRunner:
     ) -> torch.Tensor:
         """`[n, hidden]` -> `[n]` int64 on CUDA: a draw from `softmax(logits * inv_temperature)` per
         row (the argmax where it is 0), without writing the logits; `allowed` as `greedy_tokens`."""
-        if allowed is None:
-            return self.model.sample_tokens(hidden, inv_temperature, seeds)
         return self.model.sample_tokens(hidden, inv_temperature, seeds, allowed)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
