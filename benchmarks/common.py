@@ -307,8 +307,10 @@ def fast_paths() -> str:
     def env(name: str) -> str:
         return "on" if os.environ.get(name) == "1" else "off"
 
+    from swaserve.kernels.gemv import _ENABLED as gemv
+
     blas = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1] if torch.cuda.is_available() else "-"
-    return (f"BLAS {blas}, skinny GEMMs {env('SWASERVE_SKINNY_GEMM')}, PDL {'on' if pdl_supported() else 'off'}"
+    return (f"BLAS {blas}, skinny GEMMs {env('SWASERVE_SKINNY_GEMM')}, one-row GEMV {'on' if gemv else 'off'}, PDL {'on' if pdl_supported() else 'off'}"
             f" (env {env('SWASERVE_PDL')}), fused split combine {env('SWASERVE_FUSED_SPLIT_COMBINE')}")
 
 

@@ -18,7 +18,7 @@
 # (piecewise graphs vs eager, tiny families), whole / svo_whole (issue 39: whole extend graphs, tests, step times,
 # the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router / router_graphs / router_decode: the MoE-layer fusions, tests and parity / graphs vs eager / decode off and on;
 # mx_split / mx_lut / mx_lut_default / mx_ncu: MXFP4 experts split over K, converted by table lookups (tests, sweeps,
-# parity, decode; Nsight Compute at one token); decode_all: the 1B / 4B / 26B-A4B / GPT-OSS-20B decode table in one call), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
+# parity, decode; Nsight Compute at one token); decode_all: the 1B / 4B / 26B-A4B / GPT-OSS-20B decode table in one call; gemv / gemv_tests / gemv_decode / gemv_pdl: the one-row GEMV, kernel tests and sweep / GPU tests / decode off and on / PDL off and on), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes; pw_profile_whole: the same through whole extend graphs; unified_tiles: the 16- and 32-row extend tiles' tests natively, then pw_profile_whole; unified_gpu: the GPU tests of
 # whole graphs and FP8 pools; unified_flat: the unified extend's one-loop form against the chunk loop; flat_bits: its bit tests alone), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
@@ -265,6 +265,28 @@ PY
             run decode_all 330 python3 benchmarks/decode.py --shapes 1b,4b,gemma4-26b-a4b,gpt-oss-20b \
                 --batch-sizes 1,16,64 --contexts 1024 --steps 32 --warmup 4
             run profile_g4_bs1 120 python3 scripts/profile_step.py gemma4-26b-a4b 1 1024 ;;
+        gemv)  # issue 39: the one-row GEMV (`kernels/gemv.py`): its tests natively, then against cuBLAS on
+            # the dense projections of 1B / 4B / Gemma-4-26B-A4B / GPT-OSS-20B (benchmarks/gemv_sweep.py)
+            SWASERVE_KERNEL_TESTS_ON_GPU=1 run gemv_kernels 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py
+            run gemv_sweep 240 python3 benchmarks/gemv_sweep.py ${GEMV_ARGS:-} ;;
+        gemv_tests)  # issue 39: the GPU tests whose steps run one row through the GEMV: graph padding (decode graphs of
+            # 1..12 rows against eager), Gemma 3 1B and GPT-OSS (biased projections) against HF
+            run gemv_tests 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_graph_padding.py \
+                tests/gpu/test_gemma3_1b_vs_hf.py tests/gpu/test_gpt_oss_vs_hf.py ;;
+        gemv_pdl)  # issue 39: decode at bs 1 (ctx 1k) with the one-row GEMV, PDL off then on (SWASERVE_PDL: the GEMV loads
+            # its first weight tile before the wait), GEMV_SHAPES as gemv_decode
+            for v in 0 1; do
+                SWASERVE_PDL=$v run "gemv_pdl_$v" 300 python3 benchmarks/decode.py \
+                    --shapes "${GEMV_SHAPES:-1b,4b,gemma4-26b-a4b,gpt-oss-20b}" --batch-sizes "${GEMV_BS:-1}" \
+                    --contexts 1024 --steps 32 --warmup 4
+            done ;;
+        gemv_decode)  # issue 39: decode at bs 1 / 4 (ctx 1k) with the library GEMMs (SWASERVE_GEMV=0), then with the
+            # one-row GEMV (the default), GEMV_SHAPES (default 1b,4b,gemma4-26b-a4b,gpt-oss-20b) one process each way
+            for v in 0 1; do
+                SWASERVE_GEMV=$v run "gemv_decode_$v" 300 python3 benchmarks/decode.py \
+                    --shapes "${GEMV_SHAPES:-1b,4b,gemma4-26b-a4b,gpt-oss-20b}" --batch-sizes "${GEMV_BS:-1,4}" \
+                    --contexts 1024 --steps 32 --warmup 4
+            done ;;
         router_decode)  # issue 39: decode with the MoE-layer fusions off, then on (`router`)
             for v in 0 1; do
                 SWASERVE_FUSED_ROUTER=$v SWASERVE_FUSED_TAIL=$v run "router_decode_$v" 300 \

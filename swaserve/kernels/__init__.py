@@ -37,6 +37,9 @@ host sync, grids fixed by host ints) unless stated otherwise.
 - `skinny_gemm(x, weight, splits)` / `skinny_gated_gemm(x, weight, activation)` (skinny_gemm.py):
   decode-sized (<= 64 rows) weight-streaming GEMMs; split-K float32 partial sums that `add_rms_norm`
   sums, and gate/up + activation in one launch. Opt-in (`use_skinny`, SWASERVE_SKINNY_GEMM=1).
+- `gemv(x, weight, bias=None)` (gemv.py): one row's projection, each program a block of weight rows over
+  the whole of K (no split, no reduce launch). The layers take it at one row where the output is at most
+  twice the input (`use_gemv`; on by default, SWASERVE_GEMV=0 turns it off).
 - `pdl.py`: programmatic dependent launch for the decode step's kernels, opt-in (SWASERVE_PDL=1).
 - `lm_head_argmax(x, weight, softcap, inv_temperature=None, seeds=None)` (lm_head_argmax.py): the
   LM head straight to tokens without writing logits: each row's argmax, or a Gumbel-max draw at

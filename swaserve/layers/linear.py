@@ -42,7 +42,7 @@ class MergedLinear(nn.Module):
             from swaserve.layers.batch_invariant import invariant_linear
 
             return invariant_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
     def load_shard(self, shard: int, param_name: str, tensor: torch.Tensor, quantize: bool | None = None
                    ) -> tuple[str, ...]:
@@ -125,4 +125,14 @@ class OutLinear(nn.Linear):
                 if self._splits is None:
                     self._splits = skinny_gemm_splits(self.out_features, self.in_features, num_sms(x.device))
                 return skinny_gemm(x if x.stride(1) == 1 else x.contiguous(), self.weight, self._splits)
-        return F.linear(x, self.weight, bias)
+        return _linear(x, self.weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, or for one row on a GPU the weight-streaming GEMV where enabled (`gemv.use_gemv`)."""
+    if x.is_cuda:
+        from swaserve.kernels.gemv import gemv, use_gemv
+
+        if use_gemv(x, weight):
+            return gemv(x.contiguous(), weight, bias)
+    return F.linear(x, weight, bias)

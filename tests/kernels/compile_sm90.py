@@ -36,6 +36,7 @@ moe_gemm = importlib.import_module("swaserve.kernels.moe_gemm")
 moe_inputs = importlib.import_module("swaserve.kernels.moe_inputs")
 qk_norm_rope = importlib.import_module("swaserve.kernels.qk_norm_rope")
 skinny_gemm = importlib.import_module("swaserve.kernels.skinny_gemm")
+gemv = importlib.import_module("swaserve.kernels.gemv")
 store_kv = importlib.import_module("swaserve.kernels.store_kv")
 unified_attention = importlib.import_module("swaserve.kernels.unified_attention")
 extend_launch = importlib.import_module("swaserve.kernels.unified_launch").extend_launch
@@ -413,6 +414,16 @@ def main() -> None:
              lambda dtype=dtype: skinny_gemm.skinny_gated_gemm(torch.zeros(T, 2560, dtype=dtype),
                                                                torch.zeros(2 * 10240, 2560, dtype=dtype), "gelu_tanh")),
         ]
+    cases += [  # the one-row GEMV: Gemma-4-26B-A4B's MLP gate_up (K not a whole number of 512-wide tiles), GPT-OSS-20B's
+        # biased o_proj, Gemma 3 4B's down_proj (1024-wide tiles)
+        ("gemv[bf16, 4224 x 2816]", gemv, "_gemv_kernel",
+         lambda: gemv.gemv(torch.zeros(1, 2816, dtype=bf16), torch.zeros(4224, 2816, dtype=bf16))),
+        ("gemv[bf16, bias, 2880 x 4096]", gemv, "_gemv_kernel",
+         lambda: gemv.gemv(torch.zeros(1, 4096, dtype=bf16), torch.zeros(2880, 4096, dtype=bf16),
+                           torch.zeros(2880, dtype=bf16))),
+        ("gemv[bf16, 2560 x 10240]", gemv, "_gemv_kernel",
+         lambda: gemv.gemv(torch.zeros(1, 10240, dtype=bf16), torch.zeros(2560, 10240, dtype=bf16))),
+    ]
     failed = False
     for name, module, attr, call in cases:
         try:

@@ -52,7 +52,8 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
             "unified[fp8 kv asm, extend]", "route_topk[bf16, E=128, k=8, scaled]", "route_topk[fp32, E=32, k=4]", "ffn_tail[moe]",
             "ffn_tail[dense, 4 parts]", "moe_inputs", "route_grouped[E=256, k=8, 1 groups]",
             "route_grouped[E=256, k=8, 8 groups]", "moe_gemm[mxfp4 scaled, split 4, gate_up]",
-            "moe_gemm[mxfp4 lut, gate_up]", "moe_gemm[mxfp4 lut, down]"} <= names
+            "moe_gemm[mxfp4 lut, gate_up]", "moe_gemm[mxfp4 lut, down]", "gemv[bf16, 4224 x 2816]",
+            "gemv[bf16, bias, 2880 x 4096]", "gemv[bf16, 2560 x 10240]"} <= names
     for r in rows:  # the unified kernel's inline e4m3 conversion (sm_89+): tiles staged as fp16
         if "asm" in r["kernel"]:
             assert r["shared_byte_reads"] == 0 and r["dot_kwidths"] == [2], r
@@ -81,5 +82,5 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_they_write():
         if r["kernel"].startswith(("extend", "store_kv", "unified", "quant_fp8", "fp8_gemm", "route_")):  # no PDL
             continue
         assert r["pdl_wait"] and r["release_before_wait"] and r["writes_before_wait"] == 0, r
-        weight_streaming = r["kernel"].startswith("skinny")
+        weight_streaming = r["kernel"].startswith(("skinny", "gemv"))
         assert (r["reads_before_wait"] > 0) == weight_streaming, r
