@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_device, copy_bandwidth, graph_us, parse_args  # noqa: E402
-from skinny_gemm_sweep import STREAM_BYTES, weight_copies  # noqa: E402
+from common import bench_device, copy_bandwidth, graph_us, parse_args
+from skinny_gemm_sweep import STREAM_BYTES, weight_copies
 
 # (name, N, K, bias) per model: the projections one decode step runs per layer, as the engine merges them
 SHAPES = {
@@ -40,8 +40,8 @@ SHAPES = {
 
 def case(model: str, name: str, N: int, K: int, bias: bool, configs, dev: torch.device, stream_bytes: int,
          bw: float) -> dict:
-    from swaserve.kernels.gemv import gemv, gemv_config
     from swaserve.kernels.common import num_sms
+    from swaserve.kernels.gemv import gemv, gemv_config
 
     ws = weight_copies(N, K, torch.Generator(device=dev).manual_seed(0), stream_bytes)
     b = torch.randn(N, device=dev, dtype=torch.bfloat16) if bias else None
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="1b,4b,g4,gptoss", help=f"of {','.join(SHAPES)}")
     ap.add_argument("--quick", action="store_true", help="the default launch settings only")
     ap.add_argument("--stream-mb", type=int, default=STREAM_BYTES >> 20, help="weight copies per graph")
-    args = parse_args(ap, argv, smoke=dict(models="tiny", quick=True, stream_mb=0))
+    args = parse_args(ap, argv, smoke={"models": "tiny", "quick": True, "stream_mb": 0})
     dev = bench_device(args.smoke)
     bw = copy_bandwidth(dev) if dev.type == "cuda" else 1e12
     configs = [] if args.quick else list(itertools.product((2, 4, 8), (512, 1024), (4, 8)))

@@ -287,8 +287,7 @@ class Engine:
         return engine_counters(self)
 
     def kv_cache_dtypes(self) -> dict[str, str]:
-        """Each pool's K/V storage dtype by name ("full", and "swa" for a hybrid SWA pool): e.g.
-        {"full": "fp8_e4m3", "swa": "bfloat16"}."""
+        """Each pool's K/V storage dtype by name: e.g. {"full": "fp8_e4m3", "swa": "bfloat16"} (`engine_stats`)."""
         return kv_cache_dtypes(self.plan)
 
     def startup_line(self) -> str:
