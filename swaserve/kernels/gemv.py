@@ -27,11 +27,12 @@ from swaserve.kernels.pdl import pdl_kwargs, pdl_release, pdl_wait
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a projection of input `x` takes `gemv`: one row on a GPU, a 16-bit float weight of 1024 to
-    twice its input's outputs (narrower ones are a few programs; wider ones the library streams faster).
+    """Whether a projection of input `x` takes `gemv`: one row on a GPU, a 16-bit float weight (unit column
+    stride) of 1024 to twice its input's outputs (narrower ones are a few programs; wider ones the library
+    streams faster).
     On by default; SWASERVE_GEMV=0 keeps every projection on the library GEMM."""
     N, K = weight.shape
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and 1024 <= N <= 2 * K
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and 1024 <= N <= 2 * K and weight.stride(1) == 1
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and _ENABLED)
 
 

@@ -74,6 +74,7 @@ def test_config_and_when_the_layers_take_it(monkeypatch):
     assert not use_gemv(x, torch.empty(8192, 2816, dtype=torch.bfloat16))  # over twice the input: the library
     assert not use_gemv(x, torch.empty(512, 2816, dtype=torch.bfloat16))  # a few programs
     assert not use_gemv(x, w.float())
+    assert not use_gemv(x, torch.empty(2816, 4224, dtype=torch.bfloat16).T)  # a transposed weight
     x.shape = (2, 2816)
     assert not use_gemv(x, w)  # one row only
     x.shape, x.is_cuda = (1, 2816), False
