@@ -25,18 +25,17 @@ import triton.language as tl
 from swaserve.kernels.common import num_sms
 from swaserve.kernels.pdl import pdl_kwargs, pdl_release, pdl_wait
 
+# On by default; SWASERVE_GEMV=0 keeps every projection on the library GEMM.
+_ENABLED = os.environ.get("SWASERVE_GEMV", "1") != "0"
+
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a projection of input `x` takes `gemv`: one row on a GPU, a 16-bit float weight (unit column
     stride) of 1024 to twice its input's outputs (narrower ones are a few programs; wider ones the library
-    streams faster).
-    On by default; SWASERVE_GEMV=0 keeps every projection on the library GEMM."""
+    streams faster)."""
     N, K = weight.shape
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and 1024 <= N <= 2 * K and weight.stride(1) == 1
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and _ENABLED)
-
-
-_ENABLED = os.environ.get("SWASERVE_GEMV", "1") != "0"
 
 
 def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int]:
