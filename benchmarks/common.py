@@ -302,16 +302,16 @@ def fast_paths() -> str:
     Triton with the launch option, so the env var alone does not say it is on)."""
     import os
 
+    from swaserve.kernels.gemv import _ENABLED as gemv
     from swaserve.kernels.pdl import pdl_supported
 
     def env(name: str) -> str:
         return "on" if os.environ.get(name) == "1" else "off"
 
-    from swaserve.kernels.gemv import _ENABLED as gemv
-
     blas = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1] if torch.cuda.is_available() else "-"
     return (f"BLAS {blas}, skinny GEMMs {env('SWASERVE_SKINNY_GEMM')}, one-row GEMV {'on' if gemv else 'off'}, PDL {'on' if pdl_supported() else 'off'}"
-            f" (env {env('SWASERVE_PDL')}), fused split combine {env('SWASERVE_FUSED_SPLIT_COMBINE')}")
+            f" (env {env('SWASERVE_PDL')}, rows <= {os.environ.get('SWASERVE_PDL_MAX_ROWS', 'any')}), fused split combine"
+            f" {env('SWASERVE_FUSED_SPLIT_COMBINE')}")
 
 
 def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

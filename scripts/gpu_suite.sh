@@ -18,7 +18,7 @@
 # (piecewise graphs vs eager, tiny families), whole / svo_whole (issue 39: whole extend graphs, tests, step times,
 # the Poisson set served pieces vs whole; offline_whole: 1B and 4B offline tok/s pieces vs whole; router / router_graphs / router_decode: the MoE-layer fusions, tests and parity / graphs vs eager / decode off and on;
 # mx_split / mx_lut / mx_lut_default / mx_ncu: MXFP4 experts split over K, converted by table lookups (tests, sweeps,
-# parity, decode; Nsight Compute at one token); decode_all: the 1B / 4B / 26B-A4B / GPT-OSS-20B decode table in one call; gemv / gemv_tests / gemv_decode / gemv_pdl: the one-row GEMV, kernel tests and sweep / GPU tests / decode off and on / PDL off and on), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
+# parity, decode; Nsight Compute at one token); decode_all: the 1B / 4B / 26B-A4B / GPT-OSS-20B decode table in one call; gemv / gemv_tests / gemv_decode / gemv_pdl / pdl_rows: the one-row GEMV, kernel tests and sweep / GPU tests / decode off and on / PDL off and on / PDL up to one-row steps), pw_1b / pw_4b / pw_1b_det (benchmarks/piecewise.py; pw_profile:
 # where a mixed step's time goes; pw_profile_whole: the same through whole extend graphs; unified_tiles: the 16- and 32-row extend tiles' tests natively, then pw_profile_whole; unified_gpu: the GPU tests of
 # whole graphs and FP8 pools; unified_flat: the unified extend's one-loop form against the chunk loop; flat_bits: its bit tests alone), mimo_serve
 # (200 @ 128 on a random 6-layer MiMo-V2 with piecewise graphs) and mtp_mimo; for issue 38: so_1b / so_4b (structured
@@ -280,6 +280,14 @@ PY
                     --shapes "${GEMV_SHAPES:-1b,4b,gemma4-26b-a4b,gpt-oss-20b}" --batch-sizes "${GEMV_BS:-1}" \
                     --contexts 1024 --steps 32 --warmup 4
             done ;;
+        pdl_rows)  # issue 39: PDL up to one-row steps (SWASERVE_PDL=1 SWASERVE_PDL_MAX_ROWS=1) against PDL off, decode at
+            # bs 1 / 64 (ctx 1k), GEMV_SHAPES as gemv_decode; then graph padding and 1B parity with it on
+            run pdl_rows_off 300 python3 benchmarks/decode.py --shapes "${GEMV_SHAPES:-1b,4b,gemma4-26b-a4b,gpt-oss-20b}" \
+                --batch-sizes 1,64 --contexts 1024 --steps 32 --warmup 4
+            SWASERVE_PDL=1 SWASERVE_PDL_MAX_ROWS=1 run pdl_rows_on 300 python3 benchmarks/decode.py \
+                --shapes "${GEMV_SHAPES:-1b,4b,gemma4-26b-a4b,gpt-oss-20b}" --batch-sizes 1,64 --contexts 1024 --steps 32 --warmup 4
+            SWASERVE_PDL=1 SWASERVE_PDL_MAX_ROWS=1 run pdl_rows_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_cuda_graph_padding.py tests/gpu/test_gemma3_1b_vs_hf.py ;;
         gemv_decode)  # issue 39: decode at bs 1 / 4 (ctx 1k) with the library GEMMs (SWASERVE_GEMV=0), then with the
             # one-row GEMV (the default), GEMV_SHAPES (default 1b,4b,gemma4-26b-a4b,gpt-oss-20b) one process each way
             for v in 0 1; do

@@ -16,6 +16,12 @@ is safe.
 
 OFF unless SWASERVE_PDL=1 (benchmarks/NOTES.md has the A/B numbers). Also off in the Triton
 interpreter, below compute capability 9, and with a Triton that lacks the launch option.
+
+SWASERVE_PDL_MAX_ROWS=n (with SWASERVE_PDL=1) keeps PDL to steps of at most n rows: the runner states a
+step's rows while it runs it eagerly or captures its graph (`swaserve.step_rows`); kernels launched
+outside such a step (piecewise graphs' pieces, tests) take none. On an H200 PDL made batch 1 3-7% faster beside the
+one-row GEMV but Gemma 3 1B's batch-64 step 26% slower (benchmarks/NOTES.md, tenth session): small grids
+gain from the overlap, a step whose kernels fill the GPU can lose to it. Not yet measured with the limit.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from swaserve import step_rows
 
 
 @functools.cache
@@ -41,9 +49,19 @@ def pdl_supported() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+_MAX_ROWS = int(os.environ["SWASERVE_PDL_MAX_ROWS"]) if os.environ.get("SWASERVE_PDL_MAX_ROWS") else None
+
+
+def _within_row_limit() -> bool:
+    if _MAX_ROWS is None:
+        return True
+    rows = step_rows.current()
+    return rows is not None and rows <= _MAX_ROWS
+
+
 def pdl_kwargs(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel taking `USE_PDL`, given a tensor on the launch's device."""
-    if t.is_cuda and pdl_supported():
+    if t.is_cuda and pdl_supported() and _within_row_limit():
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from swaserve import step_rows
 from swaserve.distributed.state import new_cuda_graph
 from swaserve.runner.decode_graph import DecodeGraphRunner
 
@@ -30,7 +31,7 @@ def capture_per_size(sizes: list[int], run_once: Callable[[int], T], device: tor
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))  # weights and pools are ready
     for bs in sorted(sizes, reverse=True):
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), step_rows.within(bs):
             for _ in range(2):
                 run_once(bs)
             stream.synchronize()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from swaserve import step_rows
 from swaserve.distributed.state import tp_group
 
 if TYPE_CHECKING:
@@ -197,6 +198,10 @@ class ModelRunner:
         device; an extend batch, e.g. every token of a speculative verify step) when given. A decode batch reads its inputs from
         `last_tokens`; one that brings its own (tests, teacher forcing) stores them there first, so
         the eager and graph paths see the same inputs."""
+        with step_rows.within(batch.num_tokens):  # (the kernels' PDL row limit, `kernels/pdl.py`)
+            return self._forward_hidden(batch, token_indices)
+
+    def _forward_hidden(self, batch: ForwardBatch, token_indices: torch.Tensor | None) -> torch.Tensor:
         if self.before_forward is not None:
             self.before_forward()
         if batch.is_decode and batch.input_ids is not None:
