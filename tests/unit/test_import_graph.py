@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2] / "swaserve"
 PLANES: list[tuple[str, tuple[str, ...]]] = [
     # plain data and helpers everything may use
     ("base", ("config.py", "model_config.py", "request.py", "h2d.py", "detokenizer.py",
-              "structured_outputs.py")),
+              "structured_outputs.py", "step_rows.py")),
     # Triton kernels; the tensor-parallel group and the collectives layers call; structured outputs'
     # token bitmasks applied to logits (the LM head's greedy path applies them too)
     ("primitives", ("kernels/", "distributed/state.py", "runner/token_mask.py")),
