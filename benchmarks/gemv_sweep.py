@@ -4,7 +4,8 @@ projections of Gemma 3 1B / 4B, Gemma-4-26B-A4B (sliding and full layers) and GP
 biases), one row, the default launch settings and a sweep of others. Timed in CUDA graphs over
 enough weight copies that each call streams from HBM (`skinny_gemm_sweep.weight_copies`); prints
 achieved weight bandwidth (weight bytes / time), the fraction of the measured copy bandwidth, and
-whether the layers take the kernel for that shape (`gemv.use_gemv`: outputs at most twice the input).
+whether the layers take the kernel for that shape (`gemv.use_gemv`: outputs at most twice the input; never
+on the CPU).
 
     python benchmarks/gemv_sweep.py [--models 1b,4b,g4,gptoss] [--quick]
     python benchmarks/gemv_sweep.py --smoke     # tiny shapes, Triton's interpreter on the CPU (CI)
@@ -41,7 +42,7 @@ SHAPES = {
 def case(model: str, name: str, N: int, K: int, bias: bool, configs, dev: torch.device, stream_bytes: int,
          bw: float) -> dict:
     from swaserve.kernels.common import num_sms
-    from swaserve.kernels.gemv import gemv, gemv_config
+    from swaserve.kernels.gemv import gemv, gemv_config, use_gemv
 
     ws = weight_copies(N, K, torch.Generator(device=dev).manual_seed(0), stream_bytes)
     b = torch.randn(N, device=dev, dtype=torch.bfloat16) if bias else None
@@ -61,7 +62,7 @@ def case(model: str, name: str, N: int, K: int, bias: bool, configs, dev: torch.
         results.append((us, bn, bk, warps))
     ours, best = results[0], min(results)
     nbytes = N * K * 2
-    row = {"model": model, "proj": name, "N": N, "K": K, "bias": bias, "taken": 1024 <= N <= 2 * K,
+    row = {"model": model, "proj": name, "N": N, "K": K, "bias": bias, "taken": use_gemv(x, ws[0]),
            "max_abs_err": err, "cublas_us": round(lib, 2), "cublas_tbps": round(nbytes / lib / 1e6, 2),
            "gemv_us": round(ours[0], 2), "gemv_tbps": round(nbytes / ours[0] / 1e6, 2),
            "gemv_of_copy": round(nbytes / ours[0] / 1e6 / (bw / 1e12), 3), "default": list(default),
